@@ -1,0 +1,77 @@
+"""Every environment variable fdserve reads, in one place.
+
+Each entry: name -> (parser, default, doc). Values are read lazily, at attribute
+access (``envs.FD_USE_KVCACHE_LOCK``), so a test or a parent process can set a
+variable before the child reads it. Nothing else in the code base calls
+``os.environ.get`` for configuration; processes that must *set* variables for a
+child (thread counts before importing paddle) do so through ``child_env``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def _bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _opt_str(value: str) -> str | None:
+    return value or None
+
+
+_VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
+    "FD_USE_KVCACHE_LOCK": (_bool, False, "Hold a cross-process lock around execute_model and KV-cache transfers."),
+    "FD_KVCACHE_LOCK_TIMEOUT": (float, 10.0, "Seconds a lock waiter waits before checking whether the holder died."),
+    "FD_KVCACHE_SANITIZER": (_bool, False, "Check block states before every KV-cache access; fail loudly on violation."),
+    "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
+    "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
+    "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),
+    "FD_HEARTBEAT_TIMEOUT": (float, 120.0, "Seconds without a worker heartbeat before the engine declares it dead."),
+    "FD_WORKER_STEP_TIMEOUT": (float, 600.0, "Seconds the engine waits for one execute_model step before failing requests."),
+    "FD_API_KEY": (_opt_str, None, "If set, the API requires 'Authorization: Bearer <key>'."),
+    "FD_MAX_REQUEST_BYTES": (int, 8 * 1024 * 1024, "Largest accepted HTTP request body in bytes."),
+    "FILE_BACKEND_STORAGE_DIR": (_opt_str, None, "Directory of the file KV-cache storage backend."),
+    "MOONCAKE_MASTER_SERVER_ADDR": (_opt_str, None, "host:port of the Mooncake master."),
+    "MOONCAKE_METADATA_SERVER": (str, "P2PHANDSHAKE", "Mooncake metadata server."),
+    "MOONCAKE_PROTOCOL": (str, "tcp", "Mooncake transfer protocol."),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _VARIABLES:
+        raise AttributeError(f"envs has no variable {name!r}")
+    parser, default, _doc = _VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parser(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {parser.__name__}") from exc
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """(name, default, doc) for every variable, for --help and the README."""
+    return [(name, default, doc) for name, (_p, default, doc) in _VARIABLES.items()]
+
+
+def compute_thread_env(num_threads: int) -> dict[str, str]:
+    """Variables a process must have before it imports paddle (ARCHITECTURE.md, CPU facts)."""
+    return {
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "MKL_DEBUG_CPU_TYPE": "5",
+    }
+
+
+def apply_compute_thread_env(num_threads: int) -> None:
+    """Set the thread variables in this process; call before ``import paddle``."""
+    os.environ.update(compute_thread_env(num_threads))
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

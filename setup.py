@@ -1,0 +1,43 @@
+"""fdserve: a multi-process LLM inference runtime on PaddlePaddle.
+
+CPU hosts get ``paddlepaddle`` from the requirements below. On a CUDA host,
+install ``paddlepaddle-gpu`` (the build matching your CUDA) first and then this
+package with ``pip install --no-deps -e .`` plus the other requirements, so pip
+does not pull the CPU wheel over it (see README).
+"""
+from setuptools import setup
+
+setup(
+    name="fdserve",
+    version="0.1.0",
+    description="Multi-process LLM inference runtime on PaddlePaddle with an OpenAI-compatible API",
+    python_requires=">=3.10",
+    packages=[
+        "engine",
+        "worker",
+        "worker.models",
+        "cache_manager",
+        "cache_manager.transfer_factory",
+        "inter_communicator",
+    ],
+    py_modules=["envs", "launch"],
+    install_requires=[
+        "paddlepaddle>=3.0",
+        "numpy",
+        "pyzmq",
+        "posix_ipc",
+        "gguf",
+        "tokenizers",
+        "safetensors",
+        "jinja2",
+        "fastapi",
+        "uvicorn",
+        "pydantic>=2",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "openai", "httpx", "aiohttp"],
+        "bench": ["aiohttp"],
+    },
+    entry_points={"console_scripts": ["fdserve=launch:main"]},
+)
