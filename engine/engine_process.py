@@ -1,0 +1,227 @@
+"""The engine process: owns the scheduler and drives the worker one step at a time.
+
+Loop: take new requests and aborts from the API server, schedule a step, send
+it to the worker, wait for its result (blocking on ZMQ with a timeout that
+checks the worker is alive), turn the sampled tokens into ``RequestOutput``s
+and send them back to the API server. Idle, it blocks on its input socket.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+import envs
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.log import setup_logging
+from engine.request import AbortRequest, EngineRequest, RequestOutput
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from inter_communicator.instance_signals import InstanceSignals
+from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
+from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
+from worker.worker_process import run_worker
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 1000
+WORKER_START_TIMEOUT_S = 900.0
+SHUTDOWN_GRACE_S = 4.0
+
+
+@dataclass
+class EngineAddresses:
+    """ZMQ endpoints of one DP rank, all ipc:// files inside the instance's ipc directory."""
+
+    requests: str  # API server -> engine (PUSH -> PULL)
+    outputs: str  # engine -> API server
+    batches: str  # engine -> worker
+    results: str  # worker -> engine
+
+    @classmethod
+    def in_dir(cls, ipc_dir: str, dp_rank: int = 0) -> "EngineAddresses":
+        def addr(name: str) -> str:
+            return f"ipc://{os.path.join(ipc_dir, f'{name}.{dp_rank}.sock')}"
+
+        return cls(addr("requests"), addr("outputs"), addr("batches"), addr("results"))
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, addresses: EngineAddresses, stop_event: threading.Event) -> None:
+        self.config = config
+        self.addresses = addresses
+        self.stop_event = stop_event
+        self.scheduler = Scheduler(
+            BlockManager(config.num_gpu_blocks, config.block_size),
+            max_num_seqs=config.args.max_num_seqs,
+            max_num_batched_tokens=config.args.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        self.signals = InstanceSignals(config, create=False)
+        self.context = zmq.Context()
+        self.request_socket = self._socket(zmq.PULL, addresses.requests)
+        self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
+        self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
+        self.result_socket = self._socket(zmq.PULL, addresses.results)
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+
+    def _socket(self, kind: int, address: str) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.bind(address)
+        return sock
+
+    # ---- workers ---------------------------------------------------------
+
+    def start_workers(self) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        for tp_rank in range(self.config.args.tensor_parallel_size):
+            proc = spawn.Process(target=run_worker, name=f"fdserve-worker-{tp_rank}",
+                                 args=(self.config, tp_rank, self.addresses.batches, self.addresses.results))
+            proc.start()
+            self.workers.append(proc)
+        self._wait_workers_ready()
+
+    def _wait_workers_ready(self) -> None:
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        while not all(self.signals.worker_ready.value):
+            self._check_workers_alive()
+            if self.stop_event.is_set():
+                raise InterruptedError("stopped while waiting for workers")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {WORKER_START_TIMEOUT_S:.0f} s")
+            self.stop_event.wait(0.1)
+        logger.info("%d worker(s) ready", len(self.workers))
+
+    def _check_workers_alive(self) -> None:
+        for proc in self.workers:
+            if not proc.is_alive():
+                raise WorkerDied(f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def stop_workers(self) -> None:
+        for _ in self.workers:
+            try:
+                self.batch_socket.send_pyobj(WorkerShutdown("engine stopping"), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("could not queue a shutdown message for a worker; it will be terminated")
+        for proc in self.workers:
+            proc.join(SHUTDOWN_GRACE_S)
+            if proc.is_alive():
+                logger.warning("worker %s did not stop in %.0f s; terminating", proc.name, SHUTDOWN_GRACE_S)
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    # ---- main loop -------------------------------------------------------
+
+    def run(self) -> None:
+        self.signals.engine_ready.value[0] = 1
+        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
+                    self.config.block_size, self.config.max_model_len)
+        while not self.stop_event.is_set():
+            self.signals.engine_heartbeat.value[0] = time.time()
+            self._receive_requests(block=not self.scheduler.has_work())
+            batch = self.scheduler.schedule()
+            if batch is None:
+                continue
+            result = self._run_step(batch)
+            self._send_outputs(self.scheduler.update(result))
+
+    def _receive_requests(self, block: bool) -> None:
+        if block and not self.request_socket.poll(POLL_MS):
+            self._check_workers_alive()
+            return
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                message = self.request_socket.recv_pyobj(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            outputs.extend(self._handle_message(message))
+        self._send_outputs(outputs)
+
+    def _handle_message(self, message: object) -> list[RequestOutput]:
+        if isinstance(message, EngineRequest):
+            seq = Sequence(message.request_id, list(message.prompt_token_ids), message.sampling_params,
+                           tuple(message.eos_token_ids), message.arrival_time)
+            rejected = self.scheduler.add(seq)
+            return [rejected] if rejected else []
+        if isinstance(message, AbortRequest):
+            seq = self.scheduler.abort(message.request_id)
+            if seq is None:
+                return []
+            return [RequestOutput(seq.request_id, [], finished=True, finish_reason="abort",
+                                  num_prompt_tokens=seq.num_prompt_tokens)]
+        logger.error("ignoring unknown message of type %s from the API server", type(message).__name__)
+        return []
+
+    def _run_step(self, batch: StepBatch) -> StepResult:
+        self.batch_socket.send_pyobj(batch)
+        deadline = time.monotonic() + envs.FD_WORKER_STEP_TIMEOUT
+        while not self.result_socket.poll(POLL_MS):
+            self.signals.engine_heartbeat.value[0] = time.time()
+            self._check_workers_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {batch.step_id} took longer than {envs.FD_WORKER_STEP_TIMEOUT:.0f} s")
+        result: StepResult = self.result_socket.recv_pyobj()
+        if result.step_id != batch.step_id:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {batch.step_id}")
+        return result
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self.output_socket.send_pyobj(outputs)
+
+    def fail_all(self, reason: str) -> None:
+        """Finish every known request with an error (the engine cannot go on)."""
+        self.scheduler.discard_inflight()
+        outputs = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(seq.request_id)
+            outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
+                                         num_prompt_tokens=seq.num_prompt_tokens, error=reason))
+        self._send_outputs(outputs)
+
+    def close(self) -> None:
+        self.signals.engine_ready.value[0] = 0
+        for sock in (self.request_socket, self.output_socket, self.batch_socket, self.result_socket):
+            sock.close(linger=0)
+        self.context.term()
+        self.signals.close()
+
+
+def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
+    """Process entry point (multiprocessing spawn target). Exits non-zero if the engine fails."""
+    set_parent_death_signal()
+    setup_logging("engine", config.dp_rank)
+    stop_event = threading.Event()
+    install_shutdown_handlers(stop_event.set)
+    ParentWatcher(callback=stop_event.set).start()
+    engine = Engine(config, addresses, stop_event)
+    exit_code = 0
+    try:
+        engine.start_workers()
+        engine.run()
+    except InterruptedError:
+        logger.info("stopped during start-up")
+    except (WorkerDied, TimeoutError) as exc:
+        logger.error("engine cannot continue: %s", exc)
+        engine.fail_all(f"server error: {exc}")
+        exit_code = 1
+    finally:
+        engine.stop_workers()
+        engine.close()
+        logger.info("engine exited")
+    if exit_code:
+        raise SystemExit(exit_code)

@@ -1,0 +1,18 @@
+"""Logging set-up shared by every fdserve process: role and rank in every line."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import envs
+
+_FORMAT = "%(asctime)s %(levelname)s [{role}:{rank} pid=%(process)d] %(name)s: %(message)s"
+
+
+def setup_logging(role: str, rank: int = 0) -> None:
+    """Configure the root logger of this process; call once at process start."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT.format(role=role, rank=rank), datefmt="%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(envs.FD_LOG_LEVEL.upper())

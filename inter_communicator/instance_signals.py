@@ -1,0 +1,33 @@
+"""Shared-memory signals of one server instance: readiness and heartbeats.
+
+launch.py creates them (and unlinks them on every exit path); the engine and
+worker processes attach. Each element has a single writer: worker_* entries are
+written by the worker of that TP rank, engine_* by the engine.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.config import EngineConfig
+from inter_communicator.ipc_signal import IPCSignal
+
+
+class InstanceSignals:
+    """The signals of one DP rank, created by launch.py and attached by the engine and workers."""
+
+    def __init__(self, config: EngineConfig, create: bool) -> None:
+        tp = config.args.tensor_parallel_size
+        kwargs = dict(instance_id=config.instance_id, dp_rank=config.dp_rank, create=create)
+        self.worker_ready = IPCSignal("worker_ready", np.zeros(tp, dtype=np.int32), **kwargs)
+        self.worker_heartbeat = IPCSignal("worker_heartbeat", np.zeros(tp, dtype=np.float64), **kwargs)
+        self.engine_ready = IPCSignal("engine_ready", np.zeros(1, dtype=np.int32), **kwargs)
+        self.engine_heartbeat = IPCSignal("engine_heartbeat", np.zeros(1, dtype=np.float64), **kwargs)
+        self._all = [self.worker_ready, self.worker_heartbeat, self.engine_ready, self.engine_heartbeat]
+
+    def close(self) -> None:
+        for signal in self._all:
+            signal.close()
+
+    def unlink(self) -> None:
+        for signal in self._all:
+            signal.unlink()

@@ -1,0 +1,155 @@
+"""Process lifetime helpers shared by every fdserve process.
+
+Owns: making a child die with its parent (``set_parent_death_signal`` plus ``ParentWatcher``),
+telling a live process from a dead one or a reused pid (``pid_start_time``, ``process_alive``),
+and the SIGINT/SIGTERM shutdown hook (``install_shutdown_handlers``).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# /proc/<pid>/stat fields counted from 1; the text after the last ')' starts at field 3.
+_STAT_FIRST_FIELD_AFTER_COMM = 3
+_STAT_STARTTIME_FIELD = 22
+_DEAD_STATES = ("Z", "X", "x")
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux prctl).
+
+    The kernel tracks the parent *thread* that forked us, and the setting is cleared by some
+    execs, so pair this with ``ParentWatcher``. If ``parent_pid`` is given and the parent is
+    already gone (it died before this call), ``sig`` is sent right away.
+    """
+    if not sys.platform.startswith("linux"):
+        logger.debug("PR_SET_PDEATHSIG is Linux-only; skipped on %s", sys.platform)
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG, {int(sig)}) failed: {os.strerror(err)}")
+    if parent_pid is not None and os.getppid() != parent_pid:
+        logger.warning("parent %d exited before the death signal was armed; sending %d to self", parent_pid, sig)
+        os.kill(os.getpid(), sig)
+
+
+def _terminate_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ParentWatcher(threading.Thread):
+    """Daemon thread calling ``callback`` once when the parent process goes away.
+
+    Detection: our parent pid changes (we were re-parented to init or a subreaper). Checks
+    every ``interval`` seconds with a blocking wait. Default callback: SIGTERM to ourselves,
+    so the process's normal shutdown handlers run.
+    """
+
+    def __init__(
+        self,
+        interval: float = 1.0,
+        callback: Callable[[], object] | None = None,
+        parent_pid: int | None = None,
+    ) -> None:
+        super().__init__(name="parent-watcher", daemon=True)
+        if interval <= 0:
+            raise ValueError(f"ParentWatcher interval must be positive, got {interval}")
+        self.interval = interval
+        self.callback = callback or _terminate_self
+        # Given by the spawner, this also catches a parent that died before we started.
+        self.parent_pid = parent_pid if parent_pid is not None else os.getppid()
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            if os.getppid() != self.parent_pid:
+                logger.warning("parent process %d is gone; shutting down", self.parent_pid)
+                self.callback()
+                return
+
+    def stop(self) -> None:
+        """End the watch without calling the callback (orderly shutdown)."""
+        self._stopped.set()
+
+
+def _read_stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm (field 2) may contain spaces and parentheses; it ends at the last ')'.
+    return raw[raw.rindex(")") + 1 :].split()
+
+
+def pid_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (stat field 22); None if it does not exist."""
+    if pid <= 0:
+        return None
+    fields = _read_stat_fields(pid)
+    if fields is None:
+        return None
+    return int(fields[_STAT_STARTTIME_FIELD - _STAT_FIRST_FIELD_AFTER_COMM])
+
+
+def process_alive(pid: int, start_time: int | None) -> bool:
+    """True if ``pid`` runs, is not a zombie, and (when given) started at ``start_time``.
+
+    The start time distinguishes the recorded owner from an unrelated process that got the
+    same pid after the owner died.
+    """
+    if pid <= 0:
+        return False
+    if not os.path.isdir("/proc/self"):
+        return _signal_zero_alive(pid)
+    fields = _read_stat_fields(pid)
+    if fields is None:
+        return False
+    if fields[0] in _DEAD_STATES:
+        return False
+    if start_time is None:
+        return True
+    return int(fields[_STAT_STARTTIME_FIELD - _STAT_FIRST_FIELD_AFTER_COMM]) == start_time
+
+
+def _signal_zero_alive(pid: int) -> bool:
+    """Fallback without /proc: existence only (no zombie or start-time check)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def install_shutdown_handlers(callback: Callable[[], object]) -> None:
+    """On the first SIGINT or SIGTERM, restore the default handlers and call ``callback`` once.
+
+    Restoring first means a second Ctrl-C (or SIGTERM) kills the process even if the
+    callback hangs. Must be called from the main thread (a Python signal rule).
+    """
+    fired = threading.Event()
+
+    def handle(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if fired.is_set():
+            return
+        fired.set()
+        logger.info("received %s; shutting down (send it again to kill)", signal.Signals(signum).name)
+        callback()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)

@@ -1,0 +1,298 @@
+"""The Llama model, its loaders and paged attention, on the real SmolLM2-135M GGUF.
+
+Greedy outputs are checked against ``<repo_root>/../shared/reference/smollm2_greedy.json``
+(float32 greedy decoding by Hugging Face transformers): token for token up to the first
+step whose top-2 logit margin is below 0.01, where float32 summation order may flip it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import envs
+
+envs.apply_compute_thread_env(2)
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+import pytest  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
+from worker.loader import load_weights  # noqa: E402
+from worker.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
+from worker.models import get_model_class  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE_FILE = os.path.join(REPO_ROOT, "..", "shared", "reference", "smollm2_greedy.json")
+EOS = 2
+MARGIN_THRESHOLD = 0.01
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+class Sequence:
+    """A prompt being greedily decoded; its blocks are deliberately scattered over the cache."""
+
+    def __init__(self, entry: dict, blocks: list[int]) -> None:
+        self.prompt = list(entry["prompt_ids"])
+        self.max_new = len(entry["output_ids"])
+        self.blocks = blocks
+        self.output: list[int] = []
+        self.computed = 0  # tokens whose k/v are in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new or (bool(self.output) and self.output[-1] == EOS)
+
+
+def checked_length(entry: dict) -> int:
+    """Number of leading reference tokens that must match exactly."""
+    for step, margin in enumerate(entry["top2_margins"]):
+        if margin < MARGIN_THRESHOLD:
+            return step
+    return len(entry["output_ids"])
+
+
+def assert_matches_reference(entry: dict, output: list[int]) -> None:
+    length = checked_length(entry)
+    assert length > 0, "reference entry has nothing to compare"
+    assert output[:length] == entry["output_ids"][:length], (
+        f"prompt {entry['prompt']!r}: got {output[:length]}, expected {entry['output_ids'][:length]}"
+    )
+
+
+def scattered_blocks(count: int, seed: int) -> list[list[int]]:
+    """Disjoint block tables drawn from a shuffled pool, so paging (not contiguity) is exercised."""
+    pool = np.random.default_rng(seed).permutation(NUM_BLOCKS).tolist()
+    per_sequence = NUM_BLOCKS // count
+    return [pool[i * per_sequence:(i + 1) * per_sequence] for i in range(count)]
+
+
+def run_step(model, kv_caches, work: list[tuple[Sequence, int]]) -> None:
+    """One forward over ``(sequence, new_tokens)`` pairs (decodes first); greedy-sample finished prompts."""
+    query_lens, context_lens, tables, input_ids = [], [], [], []
+    for seq, count in work:
+        tokens = seq.tokens[seq.computed: seq.computed + count]
+        input_ids += tokens
+        query_lens.append(count)
+        context_lens.append(seq.computed + count)
+        tables.append(seq.blocks)
+    meta = build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE)
+    hidden = model(paddle.to_tensor(input_ids, dtype="int64"), meta.positions, kv_caches, meta)
+    logits = model.compute_logits(paddle.index_select(hidden, meta.last_token_indices))
+    next_tokens = logits.argmax(axis=-1).numpy().tolist()
+    for (seq, count), token in zip(work, next_tokens):
+        seq.computed += count
+        if seq.computed == len(seq.tokens):  # the whole known sequence is cached: sample
+            seq.output.append(int(token))
+
+
+def new_cache(config: ModelConfig) -> tuple[np.ndarray, list]:
+    array = np.zeros(kv_cache_shape(config, NUM_BLOCKS, BLOCK_SIZE), dtype=np.float32)
+    return array, kv_cache_views(array)
+
+
+def decode_until_done(model, kv_caches, sequences: list[Sequence]) -> None:
+    while True:
+        active = [seq for seq in sequences if not seq.finished]
+        if not active:
+            return
+        run_step(model, kv_caches, [(seq, 1) for seq in active])
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict]:
+    with open(REFERENCE_FILE, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+@pytest.fixture(scope="module")
+def config() -> ModelConfig:
+    return load_model_config(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def weights(config: ModelConfig) -> dict[str, np.ndarray]:
+    return load_weights(config)
+
+
+@pytest.fixture(scope="module")
+def model(config: ModelConfig, weights: dict[str, np.ndarray]):
+    instance = get_model_class(config.architecture)(config)
+    instance.load_weights(weights)
+    return instance
+
+
+def test_config_of_default_gguf(config: ModelConfig) -> None:
+    assert (config.architecture, config.hidden_size, config.num_hidden_layers) == ("llama", 576, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.tie_word_embeddings and config.eos_token_ids == [EOS]
+    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 100000.0
+    assert len(config.model_fingerprint) == 16
+    assert load_model_config(config.path).model_fingerprint == config.model_fingerprint
+
+
+def test_greedy_one_at_a_time(model, config, reference) -> None:
+    for index, entry in enumerate(reference):
+        _array, kv_caches = new_cache(config)
+        seq = Sequence(entry, scattered_blocks(1, seed=index)[0])
+        run_step(model, kv_caches, [(seq, len(seq.prompt))])
+        decode_until_done(model, kv_caches, [seq])
+        assert_matches_reference(entry, seq.output)
+
+
+def test_greedy_chunked_prefill(model, config, reference) -> None:
+    for index, entry in enumerate(reference):
+        _array, kv_caches = new_cache(config)
+        seq = Sequence(entry, scattered_blocks(1, seed=100 + index)[0])
+        while seq.computed < len(seq.prompt):
+            run_step(model, kv_caches, [(seq, min(16, len(seq.prompt) - seq.computed))])
+        decode_until_done(model, kv_caches, [seq])
+        assert_matches_reference(entry, seq.output)
+
+
+def test_greedy_batched_decode(model, config, reference) -> None:
+    _array, kv_caches = new_cache(config)
+    tables = scattered_blocks(len(reference), seed=7)
+    sequences = [Sequence(entry, table) for entry, table in zip(reference, tables)]
+    # Every prompt prefilled in one step (several prefill chunks), then one decode batch that shrinks as prompts end.
+    run_step(model, kv_caches, [(seq, len(seq.prompt)) for seq in sequences])
+    decode_until_done(model, kv_caches, sequences)
+    for entry, seq in zip(reference, sequences):
+        assert_matches_reference(entry, seq.output)
+
+
+def test_greedy_mixed_decode_and_prefill_steps(model, config, reference) -> None:
+    """Each step decodes the running prompts and prefills a chunk of the next one, as the scheduler will."""
+    _array, kv_caches = new_cache(config)
+    tables = scattered_blocks(len(reference), seed=11)
+    waiting = [Sequence(entry, table) for entry, table in zip(reference, tables)]
+    running: list[Sequence] = []
+    while waiting or any(not seq.finished for seq in running):
+        work = [(seq, 1) for seq in running if not seq.finished]
+        if waiting:
+            seq = waiting[0]
+            work.append((seq, min(24, len(seq.prompt) - seq.computed)))
+            if seq.computed + work[-1][1] == len(seq.prompt):
+                running.append(waiting.pop(0))
+        run_step(model, kv_caches, work)
+    for entry, seq in zip(reference, running):
+        assert_matches_reference(entry, seq.output)
+
+
+def test_cache_writes_land_in_numpy_array(model, config, reference) -> None:
+    array, kv_caches = new_cache(config)
+    entry = reference[0]
+    seq = Sequence(entry, scattered_blocks(1, seed=3)[0])
+    run_step(model, kv_caches, [(seq, len(seq.prompt))])
+
+    written = np.zeros((NUM_BLOCKS, BLOCK_SIZE), dtype=bool)
+    for position in range(len(seq.prompt)):
+        written[seq.blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+    filled = np.abs(array).sum(axis=(4, 5)) > 0  # [layers, 2, blocks, block_size]
+    assert filled[:, :, written].all(), "some prompt slot was not written into the numpy array"
+    assert not filled[:, :, ~written].any(), "a slot outside the prompt's block table was written"
+
+    # The cache content lives in the array: a copy of it continues the sequence identically.
+    copied = kv_cache_views(array.copy())
+    meta = build_attention_metadata([1], [len(seq.prompt) + 1], [seq.blocks], BLOCK_SIZE)
+    token = paddle.to_tensor(seq.output, dtype="int64")
+    from_original = model.compute_logits(model(token, meta.positions, kv_caches, meta)).numpy()
+    from_copy = model.compute_logits(model(token, meta.positions, copied, meta)).numpy()
+    np.testing.assert_array_equal(from_original, from_copy)
+    assert int(from_copy.argmax()) == entry["output_ids"][1]
+
+
+def test_kv_cache_views_reject_unusable_arrays(config) -> None:
+    shape = kv_cache_shape(config, 2, BLOCK_SIZE)
+    with pytest.raises(ValueError, match="float32"):
+        kv_cache_views(np.zeros(shape, dtype=np.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_cache_views(np.zeros(shape[:-1] + (shape[-1] * 2,), dtype=np.float32)[..., ::2])
+
+
+def test_metadata_requires_decodes_first() -> None:
+    with pytest.raises(ValueError, match="decode sequences"):
+        build_attention_metadata([4, 1], [4, 9], [[0], [1]], BLOCK_SIZE)
+    with pytest.raises(ValueError, match="blocks"):
+        build_attention_metadata([1], [BLOCK_SIZE + 1], [[0]], BLOCK_SIZE)
+
+
+def test_safetensors_directory_round_trip(model, config, weights, reference, tmp_path) -> None:
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, shard_names in shards.items():
+        save_file({name: weights[name] for name in shard_names}, str(tmp_path / shard))
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(config)))
+
+    loaded_config = load_model_config(str(tmp_path))
+    assert loaded_config.format == "safetensors"
+    for field_name in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                       "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "eos_token_ids"):
+        assert getattr(loaded_config, field_name) == getattr(config, field_name), field_name
+    reloaded = get_model_class(loaded_config.architecture)(loaded_config)
+    reloaded.load_weights(load_weights(loaded_config))
+
+    prompt = reference[0]["prompt_ids"]
+    logits = []
+    for candidate in (model, reloaded):
+        _array, kv_caches = new_cache(config)
+        meta = build_attention_metadata([len(prompt)], [len(prompt)], [list(range(NUM_BLOCKS))], BLOCK_SIZE)
+        hidden = candidate(paddle.to_tensor(prompt, dtype="int64"), meta.positions, kv_caches, meta)
+        logits.append(candidate.compute_logits(hidden).numpy())
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_bf16_safetensors_widen_exactly(tmp_path) -> None:
+    """numpy has no bfloat16; the loader widens the raw bits, so bf16-representable values survive exactly."""
+    small = ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+        bos_token_id=1, eos_token_ids=[2],
+    )
+    shapes = {
+        "model.embed_tokens.weight": (32, 16), "model.norm.weight": (16,),
+        "model.layers.0.input_layernorm.weight": (16,), "model.layers.0.post_attention_layernorm.weight": (16,),
+        "model.layers.0.self_attn.q_proj.weight": (16, 16), "model.layers.0.self_attn.k_proj.weight": (8, 16),
+        "model.layers.0.self_attn.v_proj.weight": (8, 16), "model.layers.0.self_attn.o_proj.weight": (16, 16),
+        "model.layers.0.mlp.gate_proj.weight": (24, 16), "model.layers.0.mlp.up_proj.weight": (24, 16),
+        "model.layers.0.mlp.down_proj.weight": (16, 24),
+    }
+    rng = np.random.default_rng(0)
+    expected, header, blobs, offset = {}, {}, [], 0
+    for name, shape in shapes.items():
+        bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        expected[name] = (bits.astype(np.uint32) << 16).view(np.float32)
+        blob = bits.tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    header_bytes = json.dumps(header).encode("utf-8")
+    with open(tmp_path / "model.safetensors", "wb") as handle:
+        handle.write(len(header_bytes).to_bytes(8, "little") + header_bytes + b"".join(blobs))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(small)))
+
+    loaded = load_weights(load_model_config(str(tmp_path)))
+    assert sorted(loaded) == sorted(expected)
+    for name, array in expected.items():
+        assert loaded[name].dtype == np.float32
+        np.testing.assert_array_equal(loaded[name], array)
+
+
+def test_unsupported_architecture_is_named(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError, match="gpt_neox"):
+        load_model_config(str(tmp_path))

@@ -1,0 +1,120 @@
+"""The model runner: owns the model, the KV cache memory and the sampler of one worker rank.
+
+``execute_model`` turns one ``StepBatch`` into tensors, runs the forward pass
+over the paged KV cache, samples the sequences that need a next token and
+returns a ``StepResult``. On CPU the KV cache is a POSIX shared-memory segment
+so the cache-transfer process can map the same bytes (ARCHITECTURE.md).
+Import this module only after the compute-thread variables are set.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import paddle
+
+from engine.config import EngineConfig
+from inter_communicator.messages import StepBatch, StepResult
+from inter_communicator.shm import SharedArray, ipc_name
+from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views
+from worker.loader import load_weights
+from worker.models import get_model_class
+from worker.sampler import Sampler, SamplingError
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_segment_name(config: EngineConfig, tp_rank: int) -> str:
+    return ipc_name(config.instance_id, f"kvcache_tp{tp_rank}", config.dp_rank)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.block_size = config.block_size
+        self.model = self._load_model()
+        shape = kv_cache_shape(config.model_config, config.num_gpu_blocks, self.block_size)
+        self.kv_segment = SharedArray(kv_cache_segment_name(config, tp_rank), shape, np.float32, create=True)
+        self.kv_caches = kv_cache_views(self.kv_segment.array)
+        self.sampler = Sampler()
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in shared memory %s",
+                    config.num_gpu_blocks, self.block_size, self.kv_segment.array.nbytes / 2**20,
+                    kv_cache_segment_name(config, tp_rank))
+
+    def _load_model(self) -> paddle.nn.Layer:
+        model_config = self.config.model_config
+        model = get_model_class(model_config.architecture)(model_config)
+        model.load_weights(load_weights(model_config))
+        model.eval()
+        return model
+
+    @paddle.no_grad()
+    def execute_model(self, batch: StepBatch) -> StepResult:
+        """Run one engine step: forward every scheduled token, sample where asked."""
+        started = time.perf_counter()
+        input_ids, positions = self._flatten_inputs(batch)
+        meta = build_attention_metadata(
+            query_lens=[len(s.token_ids) for s in batch.seqs],
+            context_lens=[s.context_len for s in batch.seqs],
+            block_tables=[s.block_table for s in batch.seqs],
+            block_size=self.block_size,
+        )
+        hidden = self.model(paddle.to_tensor(input_ids), paddle.to_tensor(positions), self.kv_caches, meta)
+        result = StepResult(step_id=batch.step_id)
+        self._sample(batch, hidden, result)
+        result.execute_seconds = time.perf_counter() - started
+        return result
+
+    @staticmethod
+    def _flatten_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        total = sum(len(s.token_ids) for s in batch.seqs)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        offset = 0
+        for seq in batch.seqs:
+            n = len(seq.token_ids)
+            input_ids[offset:offset + n] = seq.token_ids
+            positions[offset:offset + n] = np.arange(seq.context_len - n, seq.context_len)
+            offset += n
+        return input_ids, positions
+
+    def _sample(self, batch: StepBatch, hidden: paddle.Tensor, result: StepResult) -> None:
+        rows, sampled = [], []
+        offset = 0
+        for seq in batch.seqs:
+            offset += len(seq.token_ids)
+            if seq.sample:
+                rows.append(offset - 1)
+                sampled.append(seq)
+        if not sampled:
+            return
+        last_hidden = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+        logits = self.model.compute_logits(last_hidden)
+        params = [seq.sampling_params for seq in sampled]
+        steps = [seq.step_index for seq in sampled]
+        try:
+            tokens = self.sampler.sample(logits, params, steps)
+        except SamplingError as exc:
+            bad_rows = set(exc.rows)
+            for row, seq in enumerate(sampled):
+                if row in bad_rows:
+                    result.errors[seq.request_id] = (f"the model produced non-finite logits (NaN/inf) for this "
+                                                     f"request at output position {seq.step_index}")
+            good = [row for row in range(len(sampled)) if row not in bad_rows]
+            if not good:
+                return
+            good_index = paddle.to_tensor(np.asarray(good, dtype=np.int64))
+            tokens_good = self.sampler.sample(paddle.index_select(logits, good_index),
+                                              [params[r] for r in good], [steps[r] for r in good])
+            for row, token in zip(good, tokens_good):
+                result.sampled_token_ids[sampled[row].request_id] = int(token)
+            return
+        for seq, token in zip(sampled, tokens):
+            result.sampled_token_ids[seq.request_id] = int(token)
+
+    def close(self) -> None:
+        self.kv_caches = []
+        self.kv_segment.close()
+        self.kv_segment.unlink()

@@ -1,0 +1,222 @@
+"""Token sampling for one batch of last-position logits (runs in the worker process).
+
+Owns the choice of the next token per request: greedy argmax, or temperature / top-k / top-p
+sampling with per-request seeds, and the guard against non-finite logits.
+
+Exactness: every random row samples exactly from the truncated, renormalised distribution
+(temperature first, then top-k, then top-p on the top-k renormalised mass). Speed comes from
+never sorting the whole vocabulary in the common case:
+- top-k: one argpartition (O(vocab)); only the k winners are sorted, and only if top-p follows;
+- top-p: the support is a prefix of the tokens ordered by probability. Walking probability
+  thresholds ``tau`` down (2^-10, 2^-13, ... 2^-22, then 0 = all tokens), the first threshold
+  whose token set holds top_p of the mass contains the support; every token above the previous
+  threshold is in it, and only the values of the band between the two thresholds are sorted.
+  A near-uniform row ends with a large band to sort: still exact, just slower;
+- without truncation the draw is two-level: a block of 1024 tokens by its mass, then a token
+  in it, so no cumulative sum over the whole vocabulary is needed.
+
+Determinism: a seeded row draws its one uniform number from
+``Generator(PCG64([seed, step_index]))``, so its tokens depend only on its own logits, seed
+and position, not on the other requests in the batch. Unseeded rows share one process RNG.
+
+Non-finite logits: ``sample`` raises ``SamplingError`` naming the bad rows and carrying the
+tokens of all other rows, so the caller fails only those requests and keeps the rest of the
+step. A NaN/inf row would otherwise yield an arbitrary token (argmax of NaN) silently.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import paddle
+
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+INVALID_TOKEN = -1
+# Probability thresholds of the candidate levels; after the last one, all tokens are candidates.
+DEFAULT_CANDIDATE_THRESHOLDS = (2.0**-10, 2.0**-13, 2.0**-16, 2.0**-19, 2.0**-22)
+# Dividing by a temperature below this would turn 0/T into NaN in float32.
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+class SamplingError(RuntimeError):
+    """Some rows had non-finite logits. ``rows`` are their batch indices; ``tokens`` holds the
+    sampled tokens of the other rows and ``INVALID_TOKEN`` at ``rows``."""
+
+    def __init__(self, rows: list[int], tokens: np.ndarray) -> None:
+        super().__init__(f"non-finite (NaN or inf) logits in batch rows {rows}")
+        self.rows = rows
+        self.tokens = tokens
+
+
+class Sampler:
+    """Samples one token per row of a [batch, vocab] logits tensor."""
+
+    def __init__(self, seed: int | None = None, candidate_thresholds: Sequence[float] = DEFAULT_CANDIDATE_THRESHOLDS) -> None:
+        if any(not 0.0 < t < 1.0 for t in candidate_thresholds):
+            raise ValueError(f"candidate thresholds must be in (0, 1), got {candidate_thresholds}")
+        self._rng = np.random.default_rng(seed)
+        self._thresholds = tuple(sorted(candidate_thresholds, reverse=True))
+        # Reused across steps: a fresh multi-MB array per step would page-fault on every call.
+        self._scratch = np.empty((0, 0), dtype=np.float32)
+
+    def sample(
+        self,
+        logits: paddle.Tensor | np.ndarray,
+        params: list[SamplingParams],
+        step_indices: list[int],
+    ) -> np.ndarray:
+        """One int64 token per row. ``step_indices[i]``: tokens request i generated so far.
+
+        Raises ``SamplingError`` if any row's logits contain NaN or inf (see module doc).
+        """
+        x = _as_float32_numpy(logits)
+        if x.ndim != 2 or x.shape[0] != len(params) or len(params) != len(step_indices):
+            raise ValueError(
+                f"logits {x.shape} must be [batch, vocab] with batch == len(params) == len(step_indices) "
+                f"({len(params)}, {len(step_indices)})"
+            )
+        finite = np.isfinite(x).all(axis=1)
+        tokens = np.full(x.shape[0], INVALID_TOKEN, dtype=np.int64)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy and finite[i]]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy and finite[i]]
+        if greedy_rows:
+            # argmax of every row costs less than gathering the greedy ones first.
+            tokens[greedy_rows] = x.argmax(axis=1)[greedy_rows]
+        if random_rows:
+            tokens[random_rows] = self._sample_random(x, random_rows, params, step_indices)
+        if not finite.all():
+            bad = np.flatnonzero(~finite).tolist()
+            logger.error("non-finite logits in batch rows %s", bad)
+            raise SamplingError(bad, tokens)
+        return tokens
+
+    def _sample_random(
+        self, x: np.ndarray, rows: list[int], params: list[SamplingParams], step_indices: list[int]
+    ) -> np.ndarray:
+        exp_logits = self._tempered_exp(x, rows, [params[i].temperature for i in rows])
+        vocab = exp_logits.shape[1]
+        out = np.empty(len(rows), dtype=np.int64)
+        for j, i in enumerate(rows):
+            p = params[i]
+            rng = self._rng if p.seed is None else np.random.Generator(np.random.PCG64([p.seed, step_indices[i]]))
+            u = rng.random()
+            e = exp_logits[j]
+            if 0 < p.top_k < vocab:
+                tokens = _top_k_support(e, p.top_k, p.top_p)
+            elif p.top_p < 1.0:
+                tokens = self._top_p_support(e, p.top_p)
+            else:
+                out[j] = _sample_weighted(e, u)
+                continue
+            out[j] = tokens[_sample_weighted(e[tokens], u)]
+        return out
+
+    def _tempered_exp(self, x: np.ndarray, rows: list[int], temperatures: list[float]) -> np.ndarray:
+        """exp((x - max) / T) of the selected rows, in the scratch buffer. Max entry is exactly 1."""
+        n, vocab = len(rows), x.shape[1]
+        if self._scratch.shape[0] < n or self._scratch.shape[1] != vocab:
+            self._scratch = np.empty((max(n, self._scratch.shape[0]), vocab), dtype=np.float32)
+        buf = self._scratch[:n]
+        # When every row is random, the subtraction below doubles as the copy into scratch.
+        src = x if n == x.shape[0] else np.take(x, rows, axis=0, out=buf)
+        # Subtracting the max first keeps the division from overflowing at small temperatures.
+        np.subtract(src, src.max(axis=1, keepdims=True), out=buf)
+        if any(t != 1.0 for t in temperatures):
+            temps = np.maximum(np.asarray(temperatures, dtype=np.float32), _MIN_TEMPERATURE)
+            np.divide(buf, temps[:, None], out=buf)
+        np.exp(buf, out=buf)
+        return buf
+
+    def _top_p_support(self, e: np.ndarray, top_p: float) -> np.ndarray:
+        """The smallest set of most probable tokens holding ``top_p`` of the mass (unordered)."""
+        total = float(e.sum())  # numpy sums float32 pairwise: relative error ~1e-7
+        needed = top_p * total
+        above = _EMPTY
+        above_mass = 0.0
+        above_threshold = np.inf
+        for tau in self._thresholds:
+            candidates = np.flatnonzero(e >= tau * total)
+            mass = float(e[candidates].sum(dtype=np.float64))
+            if mass >= needed:
+                band = candidates[e[candidates] < above_threshold]
+                break
+            above, above_mass, above_threshold = candidates, mass, tau * total
+        else:
+            band = np.flatnonzero(e < above_threshold)
+        # The support is everything above the previous threshold plus the best of the band below
+        # it. Only the band's values are sorted (a value sort is several times faster than an
+        # argsort); the boundary value then selects the tokens.
+        band_values = e[band]
+        descending = np.sort(band_values)[::-1]
+        n = _mass_prefix_length(descending, needed - above_mass)
+        boundary = descending[n - 1]
+        inside = band[band_values > boundary]
+        tied = band[band_values == boundary][: n - inside.size]
+        return np.concatenate((above, inside, tied))
+
+
+_EMPTY = np.empty(0, dtype=np.int64)
+# Block length of the two-level cumulative sums: numpy's cumsum is slow (about 9 ns an
+# element), so long arrays are summed per block and only one block is cumulated.
+_BLOCK = 1024
+
+
+def _top_k_support(e: np.ndarray, k: int, top_p: float) -> np.ndarray:
+    """The k most probable tokens, then the top-p prefix of them (renormalised over the k)."""
+    tokens = np.argpartition(e, e.size - k)[e.size - k :]
+    if top_p >= 1.0:
+        return tokens
+    tokens = tokens[np.argsort(-e[tokens])]
+    values = e[tokens]
+    return tokens[: _mass_prefix_length(values, top_p * float(values.sum(dtype=np.float64)))]
+
+
+def _mass_prefix_length(values: np.ndarray, needed: float) -> int:
+    """Length of the shortest prefix of ``values`` whose sum reaches ``needed`` (at least 1, at
+    most all): a sum per block first, then a cumulative sum inside the one block that crosses."""
+    starts = np.arange(0, values.size, _BLOCK)
+    block_cum = np.cumsum(np.add.reduceat(values, starts, dtype=np.float64))
+    b = int(np.searchsorted(block_cum, needed, side="left"))
+    if b >= starts.size:
+        return values.size  # rounding left the total a hair below ``needed``: take everything
+    before = block_cum[b - 1] if b else 0.0
+    in_block = before + np.cumsum(values[starts[b] : starts[b] + _BLOCK], dtype=np.float64)
+    return int(starts[b]) + max(1, min(int(np.searchsorted(in_block, needed, side="left")) + 1, in_block.size))
+
+
+def _sample_weighted(weights: np.ndarray, u: float) -> int:
+    """Index drawn with probability proportional to ``weights`` by the uniform ``u`` (inverse
+    CDF): pick a block by its mass, then an entry inside it. Never a zero-weight entry."""
+    starts = np.arange(0, weights.size, _BLOCK)
+    block_cum = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
+    target = u * block_cum[-1]
+    b = _pick(block_cum, target)
+    before = block_cum[b - 1] if b else 0.0
+    # Rescale into the block with its own cumulative sum, so rounding between the block sum
+    # and the in-block sum cannot push the draw outside the block.
+    fraction = (target - before) / (block_cum[b] - before)
+    in_block = np.cumsum(weights[starts[b] : starts[b] + _BLOCK], dtype=np.float64)
+    return int(starts[b]) + _pick(in_block, fraction * in_block[-1])
+
+
+def _pick(cum: np.ndarray, target: float) -> int:
+    """Index i with cum[i-1] <= target < cum[i]. Never a zero-weight entry."""
+    idx = min(int(np.searchsorted(cum, target, side="right")), cum.size - 1)
+    # Only a target rounded up to the total can land on a trailing zero-weight entry; the first
+    # index holding the same cumulative value is the last entry with weight.
+    return int(np.searchsorted(cum, cum[idx], side="left"))
+
+
+def _as_float32_numpy(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
+    """A read-only-by-convention float32 numpy view (no copy for CPU float32 tensors)."""
+    if isinstance(logits, np.ndarray):
+        return logits.astype(np.float32, copy=False)
+    if logits.dtype != paddle.float32:
+        logits = logits.astype("float32")
+    if logits.place.is_cpu_place():
+        return np.from_dlpack(logits)
+    return logits.numpy()
