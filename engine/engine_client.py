@@ -131,4 +131,5 @@ class EngineClient:
             "workers": [{"rank": rank, "ready": bool(ready), "heartbeat_age_s": round(age, 3)}
                         for rank, (ready, age) in enumerate(zip(self._signals.worker_ready.value, worker_beat_ages))],
             "active_requests": self.num_active_requests,
+            "scheduler": self._signals.stats(),
         }

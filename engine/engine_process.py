@@ -137,6 +137,12 @@ class Engine:
                 continue
             result = self._run_step(batch)
             self._send_outputs(self.scheduler.update(result))
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        sched, blocks = self.scheduler, self.scheduler.block_manager
+        self.signals.engine_stats.value[:] = (sched.num_running, sched.num_waiting, blocks.num_used_blocks,
+                                              blocks.num_blocks, sched.num_preemptions, sched.num_steps)
 
     def _receive_requests(self, block: bool) -> None:
         if block and not self.request_socket.poll(POLL_MS):
@@ -150,6 +156,7 @@ class Engine:
                 break
             outputs.extend(self._handle_message(message))
         self._send_outputs(outputs)
+        self._publish_stats()
 
     def _handle_message(self, message: object) -> list[RequestOutput]:
         if isinstance(message, EngineRequest):

@@ -67,6 +67,10 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_steps(self) -> int:
+        return self._step_id
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 

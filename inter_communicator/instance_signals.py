@@ -11,6 +11,9 @@ import numpy as np
 from engine.config import EngineConfig
 from inter_communicator.ipc_signal import IPCSignal
 
+# Engine gauges published after every step (single writer: the engine), read by /health.
+ENGINE_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_steps")
+
 
 class InstanceSignals:
     """The signals of one DP rank, created by launch.py and attached by the engine and workers."""
@@ -22,7 +25,12 @@ class InstanceSignals:
         self.worker_heartbeat = IPCSignal("worker_heartbeat", np.zeros(tp, dtype=np.float64), **kwargs)
         self.engine_ready = IPCSignal("engine_ready", np.zeros(1, dtype=np.int32), **kwargs)
         self.engine_heartbeat = IPCSignal("engine_heartbeat", np.zeros(1, dtype=np.float64), **kwargs)
-        self._all = [self.worker_ready, self.worker_heartbeat, self.engine_ready, self.engine_heartbeat]
+        self.engine_stats = IPCSignal("engine_stats", np.zeros(len(ENGINE_STATS), dtype=np.int64), **kwargs)
+        self._all = [self.worker_ready, self.worker_heartbeat, self.engine_ready, self.engine_heartbeat,
+                     self.engine_stats]
+
+    def stats(self) -> dict[str, int]:
+        return {name: int(value) for name, value in zip(ENGINE_STATS, self.engine_stats.value)}
 
     def close(self) -> None:
         for signal in self._all:

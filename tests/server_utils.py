@@ -54,9 +54,10 @@ def shm_names(instance_id: str) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.instance_id = f"t{uuid.uuid4().hex[:10]}"
+    def __init__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None,
+                 instance_id: str | None = None) -> None:
+        self.port = port or free_port()
+        self.instance_id = instance_id or f"t{uuid.uuid4().hex[:10]}"
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.env = {**os.environ, "FD_INSTANCE_ID": self.instance_id, **(env or {})}
@@ -104,6 +105,19 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
         return time.monotonic() - started
+
+    def descendants(self) -> list[int]:
+        """Pids of every process below launch.py (engine, workers), from /proc."""
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            pid = frontier.pop()
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except FileNotFoundError:
+                continue
+            found += [int(c) for c in children]
+            frontier += [int(c) for c in children]
+        return found
 
     def kill_group(self) -> None:
         if self.proc is not None:

@@ -292,7 +292,117 @@ def test_bf16_safetensors_widen_exactly(tmp_path) -> None:
         np.testing.assert_array_equal(loaded[name], array)
 
 
+def tiny_config(architecture: str, tie: bool) -> ModelConfig:
+    return ModelConfig(
+        architecture=architecture, vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=64, tie_word_embeddings=tie, attention_bias=architecture == "qwen2",
+        qk_norm=architecture == "qwen3", bos_token_id=1, eos_token_ids=[2],
+    )
+
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    from worker.loader import expected_weight_names
+
+    rng = np.random.default_rng(seed)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes = {
+        "q_proj.weight": (q_out, hidden), "k_proj.weight": (kv_out, hidden), "v_proj.weight": (kv_out, hidden),
+        "o_proj.weight": (hidden, q_out), "q_proj.bias": (q_out,), "k_proj.bias": (kv_out,), "v_proj.bias": (kv_out,),
+        "q_norm.weight": (config.head_dim,), "k_norm.weight": (config.head_dim,),
+        "gate_proj.weight": (inter, hidden), "up_proj.weight": (inter, hidden), "down_proj.weight": (hidden, inter),
+        "embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+    }
+    weights = {}
+    for name in expected_weight_names(config):
+        suffix = ".".join(name.split(".")[-2:])
+        if suffix in shapes:
+            weights[name] = (rng.standard_normal(shapes[suffix]) * 0.3).astype(np.float32)
+        else:  # norm weights
+            weights[name] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
+    return weights
+
+
+def numpy_reference_logits(config: ModelConfig, weights: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+    """Plain dense float64 forward (Hugging Face semantics) of one sequence: logits at every position."""
+    w = {name: array.astype(np.float64) for name, array in weights.items()}
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    length = len(tokens)
+
+    def rms(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps) * weight
+
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, dim, 2) / dim)
+    angles = np.outer(np.arange(length), inv_freq)
+    cos, sin = np.cos(np.concatenate([angles, angles], 1)), np.sin(np.concatenate([angles, angles], 1))
+
+    def rope(x: np.ndarray) -> np.ndarray:  # [length, heads, dim]
+        rotated = np.concatenate([-x[..., dim // 2:], x[..., : dim // 2]], -1)
+        return x * cos[:, None] + rotated * sin[:, None]
+
+    x = w["model.embed_tokens.weight"][tokens]
+    causal = np.triu(np.full((length, length), -np.inf), 1)
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q, k, v = (h @ w[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+        if config.attention_bias:
+            q, k, v = (x_ + w[p + f"self_attn.{n}_proj.bias"] for x_, n in zip((q, k, v), "qkv"))
+        q, k, v = q.reshape(length, heads, dim), k.reshape(length, kv_heads, dim), v.reshape(length, kv_heads, dim)
+        if config.qk_norm:
+            q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(dim) + causal
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("hts,shd->thd", probs, v).reshape(length, heads * dim) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
+    return rms(x, w["model.norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("architecture,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_architectures_match_dense_numpy_reference(architecture: str, tie: bool) -> None:
+    """Qwen2 bias, Qwen3 QK norm and untied heads, through chunked, mixed and batched-decode steps."""
+    config = tiny_config(architecture, tie)
+    weights = random_weights(config, seed=len(architecture))
+    model = get_model_class(architecture)(config)
+    model.load_weights(weights)
+    block_size, num_blocks = 4, 16
+    kv_caches = kv_cache_views(np.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=np.float32))
+    rng = np.random.default_rng(5)
+    seqs = {"a": rng.integers(0, config.vocab_size, 16).tolist(), "b": rng.integers(0, config.vocab_size, 12).tolist()}
+    tables = {"a": [9, 3, 14, 0, 7, 1, 12, 5], "b": [2, 11, 6, 15, 4, 8, 10, 13]}
+    # (name, new tokens) per step; decodes first. Covers: two prefills in a step, a prefix-chunk next to a
+    # decode, and a decode batch over sequences of different lengths.
+    schedule = [[("a", 7), ("b", 9)], [("b", 1), ("a", 6)], [("b", 1), ("a", 1)], [("a", 1), ("b", 1)], [("a", 1)]]
+    done = {"a": 0, "b": 0}
+    produced: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    for step in schedule:
+        meta = build_attention_metadata(
+            [count for _, count in step], [done[name] + count for name, count in step],
+            [tables[name] for name, _ in step], block_size,
+        )
+        ids = [token for name, count in step for token in seqs[name][done[name]: done[name] + count]]
+        hidden = model(paddle.to_tensor(ids, dtype="int64"), meta.positions, kv_caches, meta)
+        logits = model.compute_logits(hidden).numpy()
+        start = 0
+        for name, count in step:
+            produced[name].append(logits[start: start + count])
+            start += count
+            done[name] += count
+    for name, tokens in seqs.items():
+        ours = np.concatenate(produced[name])
+        expected = numpy_reference_logits(config, weights, tokens[: len(ours)])
+        np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4, err_msg=f"{architecture} sequence {name}")
+
+
 def test_unsupported_architecture_is_named(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    hf_config = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
     with pytest.raises(ValueError, match="gpt_neox"):
         load_model_config(str(tmp_path))

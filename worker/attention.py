@@ -50,7 +50,9 @@ def kv_cache_views(array: np.ndarray) -> list[tuple[paddle.Tensor, paddle.Tensor
     through the returned tensors land in it (and so in the shared-memory segment behind it).
     """
     if array.ndim != 6 or array.shape[1] != 2:
-        raise ValueError(f"KV cache array must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {array.shape}")
+        raise ValueError(
+            f"KV cache array must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {array.shape}"
+        )
     if array.dtype != np.float32:
         raise ValueError(f"KV cache array must be float32, got {array.dtype}")
     if not array.flags.c_contiguous or not array.flags.writeable:
@@ -116,12 +118,7 @@ def build_attention_metadata(
     or when a block table does not cover its context.
     """
     _validate_step(query_lens, context_lens, block_tables, block_size)
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    if any(length == 1 for length in query_lens[num_decodes:]):
-        raise ValueError("decode sequences (query_len == 1) must be ordered before all prefill chunks")
-
+    num_decodes = _leading_decodes(query_lens)
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
     prefills: list[PrefillChunk] = []
@@ -159,7 +156,9 @@ def build_attention_metadata(
     )
 
 
-def _validate_step(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:
+def _validate_step(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> None:
     if not query_lens:
         raise ValueError("a step needs at least one sequence")
     if not len(query_lens) == len(context_lens) == len(block_tables):
@@ -174,7 +173,19 @@ def _validate_step(query_lens: list[int], context_lens: list[int], block_tables:
             raise ValueError(f"sequence {index}: need 1 <= query_len <= context_len, got {query_len}, {context_len}")
         needed = -(-context_len // block_size)
         if len(table) < needed:
-            raise ValueError(f"sequence {index}: context of {context_len} tokens needs {needed} blocks, table has {len(table)}")
+            raise ValueError(
+                f"sequence {index}: context of {context_len} tokens needs {needed} blocks, table has {len(table)}"
+            )
+
+
+def _leading_decodes(query_lens: list[int]) -> int:
+    """Number of decode sequences, which must all precede the prefill chunks."""
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    if any(length == 1 for length in query_lens[num_decodes:]):
+        raise ValueError("decode sequences (query_len == 1) must be ordered before all prefill chunks")
+    return num_decodes
 
 
 def _slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -282,7 +293,9 @@ def _prefill_attention(
         keys = k[start: start + query_len].transpose([1, 0, 2])
         values = v[start: start + query_len].transpose([1, 0, 2])
     else:
-        rows = meta.derived(("prefix_rows", start, num_kv_heads), lambda: _per_head_rows(chunk.context_slots, num_kv_heads))
+        rows = meta.derived(
+            ("prefix_rows", start, num_kv_heads), lambda: _per_head_rows(chunk.context_slots, num_kv_heads)
+        )
         keys = paddle.gather(k_rows, rows).reshape([num_kv_heads, context_len, head_dim])
         values = paddle.gather(v_rows, rows).reshape([num_kv_heads, context_len, head_dim])
 

@@ -174,7 +174,8 @@ def _config_from_gguf(path: str) -> ModelConfig:
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"unsupported model architecture {architecture!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported model architecture {architecture!r} in {path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
 
@@ -293,7 +294,8 @@ def _fingerprint(config: ModelConfig, files: list[str]) -> str:
         size = os.path.getsize(file_path)
         digest.update(str(size).encode("ascii"))
         with open(file_path, "rb") as handle:
-            for offset in sorted({0, max(0, size // 2 - _FINGERPRINT_SAMPLE_BYTES // 2), max(0, size - _FINGERPRINT_SAMPLE_BYTES)}):
+            middle = max(0, size // 2 - _FINGERPRINT_SAMPLE_BYTES // 2)
+            for offset in sorted({0, middle, max(0, size - _FINGERPRINT_SAMPLE_BYTES)}):
                 handle.seek(offset)
                 digest.update(handle.read(_FINGERPRINT_SAMPLE_BYTES))
     return digest.hexdigest()[:16]

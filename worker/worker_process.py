@@ -11,6 +11,7 @@ import threading
 import time
 
 import zmq
+from tqdm import tqdm
 
 import envs
 from engine.config import EngineConfig
@@ -77,6 +78,8 @@ def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr:
     set_parent_death_signal()
     setup_logging("worker", tp_rank)
     envs.apply_compute_thread_env(config.num_threads)
+    # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.
+    tqdm.set_lock(threading.RLock())
     worker = None
     stop_event = threading.Event()
     install_shutdown_handlers(stop_event.set)

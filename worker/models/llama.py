@@ -75,11 +75,11 @@ class LlamaForCausalLM(paddle.nn.Layer):
         for index in range(config.num_hidden_layers):
             prefix = f"model.layers.{index}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            qkv = np.concatenate([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
+            qkv = np.concatenate([get(attn + f"{name}_proj.weight") for name in "qkv"])
             gate_up = np.concatenate([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
             bias = None
             if config.attention_bias:
-                bias = tensor(np.concatenate([get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")]))
+                bias = tensor(np.concatenate([get(attn + f"{name}_proj.bias") for name in "qkv"]))
             layers.append(_LayerWeights(
                 input_norm=tensor(get(prefix + "input_layernorm.weight")),
                 # Transposed once here so every step runs plain x @ W.
@@ -94,7 +94,9 @@ class LlamaForCausalLM(paddle.nn.Layer):
             ))
         embed = get("model.embed_tokens.weight")
         if embed.shape != (config.vocab_size, config.hidden_size):
-            raise ValueError(f"embedding shape {embed.shape} does not match config ({config.vocab_size}, {config.hidden_size})")
+            raise ValueError(
+                f"embedding shape {embed.shape} does not match config ({config.vocab_size}, {config.hidden_size})"
+            )
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
         self._layers = layers
         self._embed = tensor(embed)
@@ -117,17 +119,28 @@ class LlamaForCausalLM(paddle.nn.Layer):
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"expected {len(self._layers)} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         num_tokens = input_ids.shape[0]
-        rotated_heads = self.num_heads + self.num_kv_heads
+        if num_tokens != meta.num_tokens:
+            raise ValueError(
+                f"input_ids has {num_tokens} tokens but the attention metadata describes {meta.num_tokens}"
+            )
+        longest = max(meta.context_lens)
+        if longest > self.config.max_position_embeddings:
+            raise ValueError(
+                f"a sequence reaches {longest} tokens, beyond the model's "
+                f"{self.config.max_position_embeddings} positions"
+            )
         # One RoPE table lookup per step, shared by every layer; q and k heads rotate together.
-        cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand([num_tokens, rotated_heads, self.head_dim])
-        sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand([num_tokens, rotated_heads, self.head_dim])
+        rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
+        cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
+        sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand(rotated_shape)
 
         hidden = paddle.index_select(self._embed, input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
             hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
             attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
-            hidden, residual = self._rms_norm(paddle.matmul(attended, layer.o_proj), layer.post_attention_norm, residual)
+            projected = paddle.matmul(attended, layer.o_proj)
+            hidden, residual = self._rms_norm(projected, layer.post_attention_norm, residual)
             hidden = paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
         hidden, _ = self._rms_norm(hidden, self._final_norm, residual)
         return hidden
