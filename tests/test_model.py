@@ -19,6 +19,7 @@ import paddle  # noqa: E402
 import pytest  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
+from worker import attention  # noqa: E402
 from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
 from worker.loader import load_weights  # noqa: E402
 from worker.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
@@ -365,9 +366,16 @@ def numpy_reference_logits(config: ModelConfig, weights: dict[str, np.ndarray], 
     return rms(x, w["model.norm.weight"]) @ head.T
 
 
+@pytest.mark.parametrize("query_tile", [None, 5], ids=["default-tile", "tile-5"])
 @pytest.mark.parametrize("architecture,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
-def test_architectures_match_dense_numpy_reference(architecture: str, tie: bool) -> None:
-    """Qwen2 bias, Qwen3 QK norm and untied heads, through chunked, mixed and batched-decode steps."""
+def test_architectures_match_dense_numpy_reference(architecture: str, tie: bool, query_tile, monkeypatch) -> None:
+    """Qwen2 bias, Qwen3 QK norm and untied heads, through chunked, mixed and batched-decode steps.
+
+    With a 5-row query tile, prefill chunks span several tiles (with and without a cached
+    prefix), which the real prompts (< 128 tokens) never do.
+    """
+    if query_tile is not None:
+        monkeypatch.setattr(attention, "_PREFILL_QUERY_TILE", query_tile)
     config = tiny_config(architecture, tie)
     weights = random_weights(config, seed=len(architecture))
     model = get_model_class(architecture)(config)

@@ -15,7 +15,8 @@ bottom-right aligned causal mask, so a chunk may follow a cached prefix.
 CPU performance notes (Paddle 3.3.1, measured): 4-D transposes of gathered K/V are
 ~100x slower than 3-D ones, and broadcasting element-wise ops are ~10x slower than
 same-shape ones. So K/V are gathered per KV head straight into ``[.., kv_heads, len,
-head_dim]`` order by index, and decode masks are materialised at full score shape once per
+head_dim]`` order by index (``paddle.gather``: ~4x faster than ``index_select`` for
+these row gathers), and decode masks are materialised at full score shape once per
 step (cached on the metadata and reused by every layer).
 """
 from __future__ import annotations
@@ -33,8 +34,11 @@ logger = logging.getLogger(__name__)
 # Additive mask value: finite so that a fully masked row can never produce NaN via (-inf) - (-inf).
 _MASKED = -1e30
 
-# Score-matrix elements (heads * query rows * context) a prefill chunk materialises at
-# once; long prompts are processed in query tiles under this bound (~64 MB of float32).
+# Prefill attention runs over query tiles of this many rows: each tile's scores stay
+# cache-sized and skip the keys after its last query (measured 4x faster than one
+# [heads, 1024, 1024] block for a 1024-token prompt, equal at 128 tokens).
+_PREFILL_QUERY_TILE = 128
+# Upper bound on score elements (heads * tile rows * context) of one tile, for very long contexts.
 _PREFILL_SCORE_BUDGET = 16 * 1024 * 1024
 
 
@@ -289,9 +293,11 @@ def _prefill_attention(
     start, query_len, context_len = chunk.query_start, chunk.query_len, chunk.context_len
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
+    prefix_len = context_len - query_len
     if chunk.context_slots is None:
-        keys = k[start: start + query_len].transpose([1, 0, 2])
-        values = v[start: start + query_len].transpose([1, 0, 2])
+        # Made contiguous once here rather than by every tile's matmul.
+        keys = k[start: start + query_len].transpose([1, 0, 2]).contiguous()
+        values = v[start: start + query_len].transpose([1, 0, 2]).contiguous()
     else:
         rows = meta.derived(
             ("prefix_rows", start, num_kv_heads), lambda: _per_head_rows(chunk.context_slots, num_kv_heads)
@@ -299,22 +305,25 @@ def _prefill_attention(
         keys = paddle.gather(k_rows, rows).reshape([num_kv_heads, context_len, head_dim])
         values = paddle.gather(v_rows, rows).reshape([num_kv_heads, context_len, head_dim])
 
-    tile = max(1, _PREFILL_SCORE_BUDGET // (num_heads * context_len))
+    tile = min(_PREFILL_QUERY_TILE, max(1, _PREFILL_SCORE_BUDGET // (num_heads * context_len)))
     outputs = []
     for tile_start in range(0, query_len, tile):
         tile_len = min(tile, query_len - tile_start)
+        # Keys after the tile's last query are masked for every query in it: leave them out.
+        visible = prefix_len + tile_start + tile_len
+        tile_keys = keys if visible == context_len else keys[:, :visible]
+        tile_values = values if visible == context_len else values[:, :visible]
         # [tile, H, D] -> [H, tile, D] is [kv_heads, group * tile, D]: one matmul per KV head group.
         q_tile = q[start + tile_start: start + tile_start + tile_len].transpose([1, 0, 2])
-        scores = paddle.matmul(q_tile.reshape([num_kv_heads, group * tile_len, head_dim]), keys, transpose_y=True)
+        q_tile = q_tile.reshape([num_kv_heads, group * tile_len, head_dim])
+        scores = paddle.matmul(q_tile, tile_keys, transpose_y=True).reshape([num_heads, tile_len, visible])
         mask = meta.derived(
-            ("prefill_mask", start, tile_start),
-            lambda: _prefill_mask(context_len - query_len + tile_start, tile_len, context_len),
+            ("prefill_mask", start, tile_start), lambda: _prefill_mask(prefix_len + tile_start, tile_len, visible)
         )
-        probs = F.softmax(scores.reshape([num_heads, tile_len, context_len]) + mask, axis=-1)
-        attended = paddle.matmul(probs.reshape([num_kv_heads, group * tile_len, context_len]), values)
-        outputs.append(attended.reshape([num_heads, tile_len, head_dim]).transpose([1, 0, 2]))
-    out = outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
-    return out.reshape([query_len, num_heads * head_dim])
+        probs = F.softmax(scores + mask, axis=-1).reshape([num_kv_heads, group * tile_len, visible])
+        outputs.append(paddle.matmul(probs, tile_values).reshape([num_heads, tile_len, head_dim]))
+    out = outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=1)
+    return out.transpose([1, 0, 2]).reshape([query_len, num_heads * head_dim])
 
 
 def _prefill_mask(first_position: int, tile_len: int, context_len: int) -> paddle.Tensor:

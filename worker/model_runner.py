@@ -97,22 +97,15 @@ class ModelRunner:
         try:
             tokens = self.sampler.sample(logits, params, steps)
         except SamplingError as exc:
-            bad_rows = set(exc.rows)
-            for row, seq in enumerate(sampled):
-                if row in bad_rows:
-                    result.errors[seq.request_id] = (f"the model produced non-finite logits (NaN/inf) for this "
-                                                     f"request at output position {seq.step_index}")
-            good = [row for row in range(len(sampled)) if row not in bad_rows]
-            if not good:
-                return
-            good_index = paddle.to_tensor(np.asarray(good, dtype=np.int64))
-            tokens_good = self.sampler.sample(paddle.index_select(logits, good_index),
-                                              [params[r] for r in good], [steps[r] for r in good])
-            for row, token in zip(good, tokens_good):
-                result.sampled_token_ids[sampled[row].request_id] = int(token)
-            return
+            # Rows with non-finite logits fail their request; the others keep the tokens already drawn.
+            tokens = exc.tokens
+            for row in exc.rows:
+                seq = sampled[row]
+                result.errors[seq.request_id] = ("the model produced non-finite logits (NaN/inf) at output "
+                                                 f"position {seq.step_index}; the request was stopped")
         for seq, token in zip(sampled, tokens):
-            result.sampled_token_ids[seq.request_id] = int(token)
+            if seq.request_id not in result.errors:
+                result.sampled_token_ids[seq.request_id] = int(token)
 
     def close(self) -> None:
         self.kv_caches = []
