@@ -24,6 +24,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_USE_KVCACHE_LOCK": (_bool, False, "Hold a cross-process lock around execute_model and KV-cache transfers."),
     "FD_KVCACHE_LOCK_TIMEOUT": (float, 10.0, "Seconds a lock waiter waits before checking whether the holder died."),
     "FD_KVCACHE_SANITIZER": (_bool, False, "Check block states before every KV-cache access; fail loudly on violation."),
+    "FD_KVCACHE_FAULT_EARLY_SCHEDULE": (_bool, False, "TEST ONLY: schedule a request once its prefetch/swap-in has "
+                                        "started instead of finished (the race the sanitizer must catch)."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
     "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
     "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),

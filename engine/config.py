@@ -35,6 +35,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     num_threads: int | None = None
     api_key: str | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    kvcache_storage_backend: str | None = None
+    write_policy: str = "write_through"
+    file_backend_storage_dir: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -60,6 +65,17 @@ class EngineArgs:
         parser.add_argument("--num-threads", type=int, default=None,
                             help="compute threads per worker (default: FD_NUM_THREADS or the available cores)")
         parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or FD_API_KEY)")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="reuse KV blocks of shared prompt prefixes (default on)")
+        parser.add_argument("--swap-space", type=float, default=0.0,
+                            help="GiB of host memory for the host KV tier (0: no host tier)")
+        parser.add_argument("--kvcache-storage-backend", choices=("file", "mooncake"), default=None,
+                            help="storage tier below host memory (default: none)")
+        parser.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
+                            help="write_through: store a block when it becomes full and cached; "
+                                 "write_back: store it when it is evicted")
+        parser.add_argument("--file-backend-storage-dir", default=None,
+                            help="directory of the file storage backend (default: FILE_BACKEND_STORAGE_DIR)")
         return parser
 
     @classmethod
@@ -74,6 +90,7 @@ class EngineConfig:
     served_model_name: str
     max_model_len: int
     num_gpu_blocks: int
+    num_cpu_blocks: int
     num_threads: int
     instance_id: str
     ipc_dir: str = ""
@@ -141,6 +158,9 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         max_model_len = num_blocks * args.block_size
         logger.warning("max_model_len lowered to %d tokens to fit the KV cache (%d blocks)", max_model_len, num_blocks)
 
+    num_cpu_blocks = int(args.swap_space * GIB // per_block)
+    if args.swap_space < 0:
+        raise ConfigError(f"--swap-space must be >= 0, got {args.swap_space}")
     num_threads = args.num_threads or envs.FD_NUM_THREADS or envs.available_cores()
     instance_id = envs.FD_INSTANCE_ID or f"p{args.port}"
     return EngineConfig(
@@ -149,6 +169,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         served_model_name=_served_name(args, model_path),
         max_model_len=max_model_len,
         num_gpu_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks,
         num_threads=num_threads,
         instance_id=instance_id,
     )

@@ -52,6 +52,38 @@ class EngineAddresses:
         return cls(addr("requests"), addr("outputs"), addr("batches"), addr("results"))
 
 
+class StepLog:
+    """Periodic throughput line: how much of each step is the worker's forward, how much is overhead."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.window_start = now
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.execute_seconds = 0.0
+        self.tokens = 0
+
+    def record(self, step_seconds: float, execute_seconds: float, tokens: int, scheduler: Scheduler) -> None:
+        self.steps += 1
+        self.step_seconds += step_seconds
+        self.execute_seconds += execute_seconds
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.window_start < self.INTERVAL_S:
+            return
+        elapsed = now - self.window_start
+        logger.info("%.1f gen tok/s | running %d waiting %d | KV blocks %d/%d | step %.1f ms (worker %.1f ms) "
+                    "| %d preemptions", self.tokens / elapsed, scheduler.num_running, scheduler.num_waiting,
+                    scheduler.block_manager.num_used_blocks, scheduler.block_manager.num_blocks,
+                    1000 * self.step_seconds / self.steps, 1000 * self.execute_seconds / self.steps,
+                    scheduler.num_preemptions)
+        self._reset(now)
+
+
 class WorkerDied(RuntimeError):
     pass
 
@@ -74,6 +106,7 @@ class Engine:
         self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
         self.result_socket = self._socket(zmq.PULL, addresses.results)
         self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.step_log = StepLog()
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -135,9 +168,13 @@ class Engine:
             batch = self.scheduler.schedule()
             if batch is None:
                 continue
+            step_started = time.perf_counter()
             result = self._run_step(batch)
-            self._send_outputs(self.scheduler.update(result))
+            outputs = self.scheduler.update(result)
+            self._send_outputs(outputs)
             self._publish_stats()
+            self.step_log.record(time.perf_counter() - step_started, result.execute_seconds,
+                                 sum(len(o.new_token_ids) for o in outputs), self.scheduler)
 
     def _publish_stats(self) -> None:
         sched, blocks = self.scheduler, self.scheduler.block_manager

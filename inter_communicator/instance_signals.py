@@ -25,9 +25,14 @@ class InstanceSignals:
         self.worker_heartbeat = IPCSignal("worker_heartbeat", np.zeros(tp, dtype=np.float64), **kwargs)
         self.engine_ready = IPCSignal("engine_ready", np.zeros(1, dtype=np.int32), **kwargs)
         self.engine_heartbeat = IPCSignal("engine_heartbeat", np.zeros(1, dtype=np.float64), **kwargs)
+        # Block states of the device pool (engine writes; worker and transfer process check under the sanitizer).
+        self.block_states = IPCSignal("block_states", np.zeros(config.num_gpu_blocks, dtype=np.int8), **kwargs)
+        self.cache_transfer_ready = IPCSignal("cache_transfer_ready", np.zeros(tp, dtype=np.int32), **kwargs)
+        self.cache_transfer_heartbeat = IPCSignal("cache_transfer_heartbeat", np.zeros(tp, dtype=np.float64),
+                                                  **kwargs)
         self.engine_stats = IPCSignal("engine_stats", np.zeros(len(ENGINE_STATS), dtype=np.int64), **kwargs)
         self._all = [self.worker_ready, self.worker_heartbeat, self.engine_ready, self.engine_heartbeat,
-                     self.engine_stats]
+                     self.engine_stats, self.block_states, self.cache_transfer_ready, self.cache_transfer_heartbeat]
 
     def stats(self) -> dict[str, int]:
         return {name: int(value) for name, value in zip(ENGINE_STATS, self.engine_stats.value)}

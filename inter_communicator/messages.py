@@ -39,3 +39,46 @@ class StepResult:
 @dataclass
 class WorkerShutdown:
     reason: str = ""
+
+
+# ---- engine <-> cache transfer process ------------------------------------
+
+TRANSFER_KINDS = ("swap_out", "swap_in", "write_back", "prefetch")
+
+
+@dataclass
+class TransferTask:
+    """One batch of block copies for the cache transfer process.
+
+    swap_out:   device_block_ids[i] -> host_block_ids[i]
+    swap_in:    host_block_ids[i]   -> device_block_ids[i]
+    write_back: device_block_ids[i] -> storage_keys[i]   (or host_block_ids[i] -> key when device ids are empty)
+    prefetch:   storage_keys[i]     -> device_block_ids[i]
+    """
+
+    task_id: int
+    kind: str
+    device_block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
+    storage_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TransferStarted:
+    """Sent once the transfer process holds the KV-cache lock (if on) and is about to copy."""
+
+    task_id: int
+
+
+@dataclass
+class TransferDone:
+    task_id: int
+    kind: str
+    ok: list[bool] = field(default_factory=list)  # per block; False = miss / failed copy
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class ClearStorage:
+    """Test/admin request: drop every object of this model from the storage tier."""

@@ -16,7 +16,8 @@ import paddle
 
 from engine.config import EngineConfig
 from inter_communicator.messages import StepBatch, StepResult
-from inter_communicator.shm import SharedArray, ipc_name
+from cache_manager.kv_layout import device_cache_segment
+from inter_communicator.shm import SharedArray
 from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views
 from worker.loader import load_weights
 from worker.models import get_model_class
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def kv_cache_segment_name(config: EngineConfig, tp_rank: int) -> str:
-    return ipc_name(config.instance_id, f"kvcache_tp{tp_rank}", config.dp_rank)
+    return device_cache_segment(config.instance_id, config.dp_rank, tp_rank)
 
 
 class ModelRunner:

