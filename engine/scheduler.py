@@ -1,17 +1,20 @@
-"""Continuous batching with chunked prefill and recompute preemption.
+"""Continuous batching with chunked prefill, prefix caching and recompute preemption.
 
 Each step spends a token budget (``--max-num-batched-tokens``): running
 sequences first (one token for a decode, a chunk for an unfinished prefill),
-then waiting ones while sequences and blocks allow. When a running sequence
-needs a block and none is free, the most recently admitted sequence is
-preempted: its blocks are freed and it is recomputed from its tokens later.
+then waiting ones while sequences and blocks allow. A sequence entering the
+running set gets its cached prefix from the ``PrefixCacheManager``; while
+blocks of it are still being filled from host memory or storage it is not
+scheduled. When a running sequence needs a block and none is free, the most
+recently admitted sequence is preempted: its blocks are released and it is
+recomputed from its tokens later (its full blocks usually stay cached).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
 
-from engine.block_manager import BlockManager
+from cache_manager.prefix_cache_manager import PrefixCacheManager
 from engine.request import RequestOutput
 from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult
@@ -20,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+    def __init__(self, block_manager: PrefixCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, schedule_on_fill_start: bool = False) -> None:
         self.block_manager = block_manager
+        # Test-only fault (FD_KVCACHE_FAULT_EARLY_SCHEDULE): run a sequence once its fills have started.
+        self.schedule_on_fill_start = schedule_on_fill_start
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -96,6 +101,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self._is_loading(seq):
+                index += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             fits, preempted = self._make_room(seq, seq.num_computed_tokens + num_new)
             preempted_any |= preempted
@@ -125,15 +133,28 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            # Checked as if nothing were cached: cache hits only lower the need.
+            if not self.block_manager.can_allocate(seq, min(seq.num_tokens, budget)):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            self.block_manager.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self._is_loading(seq):
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _is_loading(self, seq: Sequence) -> bool:
+        return self.block_manager.is_loading(seq, started_is_enough=self.schedule_on_fill_start)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence out (e.g. its cache fill timed out); it is recomputed later."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -169,6 +190,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             seq.num_computed_tokens += num_new
+            self.block_manager.on_tokens_computed(seq)
             error = result.errors.get(seq.request_id)
             if error is not None:
                 outputs.append(self._finish_with(seq, "error", error))
@@ -214,5 +236,6 @@ class Scheduler:
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             error=error,
         )

@@ -27,6 +27,12 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Chained hashes of the leading full blocks of block_table (prefix cache).
+    block_hashes: list[str] = field(default_factory=list)
+    # Prompt tokens served from a cache tier at first admission (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
+    # Set after a cache fill timed out: the next admission recomputes instead of retrying lower tiers.
+    skip_cache_once: bool = False
     # Outputs produced since the last RequestOutput was sent to the API server.
     num_output_tokens_sent: int = 0
 

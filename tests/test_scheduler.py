@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockAllocationError, BlockManager
+from cache_manager.prefix_cache_manager import BlockAllocationError, CacheConfig, PrefixCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -17,9 +17,13 @@ def make_seq(rid: str, prompt_len: int, max_tokens: int = 8, **params) -> Sequen
                     eos_token_ids=(EOS,))
 
 
+def BlockManager(num_blocks: int, block_size: int, prefix_caching: bool = False) -> PrefixCacheManager:
+    return PrefixCacheManager(CacheConfig(num_blocks, block_size, "fp", enable_prefix_caching=prefix_caching))
+
+
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
-                   max_model_len: int = 128) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len)
+                   max_model_len: int = 128, prefix_caching: bool = False) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs, budget, max_model_len)
 
 
 def answer(batch: StepBatch, token: int = 7) -> StepResult:
