@@ -26,6 +26,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_KVCACHE_SANITIZER": (_bool, False, "Check block states before every KV-cache access; fail loudly on violation."),
     "FD_KVCACHE_FAULT_EARLY_SCHEDULE": (_bool, False, "TEST ONLY: schedule a request once its prefetch/swap-in has "
                                         "started instead of finished (the race the sanitizer must catch)."),
+    "FD_KVCACHE_TRANSFER_TIMEOUT": (float, 30.0, "Seconds a KV fill (swap-in/prefetch) may take before it counts "
+                                                 "as a miss and the request recomputes."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
     "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
     "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),
@@ -37,6 +39,11 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "MOONCAKE_MASTER_SERVER_ADDR": (_opt_str, None, "host:port of the Mooncake master."),
     "MOONCAKE_METADATA_SERVER": (str, "P2PHANDSHAKE", "Mooncake metadata server."),
     "MOONCAKE_PROTOCOL": (str, "tcp", "Mooncake transfer protocol."),
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": (int, 512 << 20, "Bytes of memory this process contributes to the Mooncake store."),
+    "MOONCAKE_LOCAL_BUFFER_SIZE": (int, 64 << 20, "Bytes of the Mooncake client's local transfer buffer."),
+    "MOONCAKE_LOCAL_HOSTNAME": (str, "127.0.0.1", "Address other Mooncake clients reach this process at."),
+    "FD_KVCACHE_STORAGE_NAMESPACE": (str, "fdserve", "Namespace (directory / key prefix) of this server's "
+                                     "objects in the KV-cache storage tier; clear() removes only it."),
 }
 
 

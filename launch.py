@@ -69,6 +69,11 @@ class Server:
         os.makedirs(config.ipc_dir, mode=0o700)
         self.addresses = EngineAddresses.in_dir(config.ipc_dir, config.dp_rank)
         self.signals = InstanceSignals(config, create=True)
+        self.kvcache_lock = None
+        if envs.FD_USE_KVCACHE_LOCK:
+            from inter_communicator.kvcache_lock import KVCacheLock
+
+            self.kvcache_lock = KVCacheLock.create(config.instance_id, config.dp_rank, role="launch")
         self.engine_proc: multiprocessing.process.BaseProcess | None = None
         self.engine_failed = False
 
@@ -95,6 +100,9 @@ class Server:
         self._stop_engine()
         self.signals.close()
         self.signals.unlink()
+        if self.kvcache_lock is not None:
+            self.kvcache_lock.close()
+            self.kvcache_lock.unlink()
         leftovers = sweep_stale(self.config.instance_id)
         if leftovers:
             logger.info("removed %d shared-memory names left by child processes", len(leftovers))
@@ -119,9 +127,7 @@ def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
 
 
 def serve_http(server: Server, config: EngineConfig) -> None:
-    import uvicorn
-
-    from engine.api_server import build_app
+    from engine.api_server import build_app, create_server
     from engine.engine_client import EngineClient
     from engine.tokenizer import load_tokenizer
 
@@ -130,11 +136,13 @@ def serve_http(server: Server, config: EngineConfig) -> None:
                           server.engine_alive)
     app = build_app(client, served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                     api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
-    uv_config = uvicorn.Config(app, host=config.args.host, port=config.args.port, log_level="warning",
-                               access_log=False, timeout_graceful_shutdown=3)
-    http = uvicorn.Server(uv_config)
+    # Our own SIGINT/SIGTERM handlers: a graceful stop, then launch's finally-block cleanup.
+    http = create_server(app, config.args.host, config.args.port, handle_signals=False, timeout_graceful_shutdown=3)
 
     async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, http.request_stop)
         await client.start()
         watchdog = asyncio.create_task(_exit_when_engine_dies(server, http))
         try:
@@ -147,12 +155,12 @@ def serve_http(server: Server, config: EngineConfig) -> None:
     asyncio.run(run())
 
 
-async def _exit_when_engine_dies(server: Server, http: "uvicorn.Server") -> None:
+async def _exit_when_engine_dies(server: Server, http) -> None:
     while server.engine_alive():
         await asyncio.sleep(1.0)
     logger.error("the engine process exited (code %s); shutting the server down", server.engine_proc.exitcode)
     server.engine_failed = True
-    http.should_exit = True
+    http.request_stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,14 +10,17 @@
 #
 # What it installs:
 #   libibverbs1                          runtime library the Mooncake transfer engine links against,
-#                                        even when it only speaks TCP
+#                                        even when it only speaks TCP (the only one missing from a
+#                                        fresh Debian 12 image of this kind)
+#   libnuma1 libcurl4                    also linked by the Mooncake binaries; present on the image
+#                                        today, listed so a slimmer image still works
 #   mooncake-transfer-engine-non-cuda    Python client (mooncake.store) + the mooncake_master binary
 set -euo pipefail
 
 export DEBIAN_FRONTEND=noninteractive
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-APT_PACKAGES=(libibverbs1)
+APT_PACKAGES=(libibverbs1 libnuma1 libcurl4)
 PIP_PACKAGE="mooncake-transfer-engine-non-cuda"
 
 run_quiet() {
@@ -54,9 +57,9 @@ if ! python -c "from mooncake.store import MooncakeDistributedStore" >/dev/null 
 fi
 
 # Fail here, not in the middle of the test run, if the install did not give us a usable client.
-if ! python -c "from mooncake.store import MooncakeDistributedStore" 2>/tmp/mooncake_import_error.log; then
+if ! import_error="$(python -c "from mooncake.store import MooncakeDistributedStore" 2>&1)"; then
     echo "install_system_deps: mooncake.store is not importable after the install:" >&2
-    cat /tmp/mooncake_import_error.log >&2
+    echo "$import_error" >&2
     exit 1
 fi
 echo "install_system_deps: libibverbs1 and $PIP_PACKAGE are ready"

@@ -471,6 +471,15 @@ def build_app(engine: EngineClient, served_model_name: str, max_model_len: int, 
     async def health() -> Response:
         return await serving.health()
 
+    @app.post("/v1/cache/reset")
+    async def reset_prefix_cache() -> Response:
+        """Drop the device and host tiers' cached prefixes (the storage tier is kept)."""
+        return _JSONResponse(await engine.control("reset_prefix_cache"))
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> Response:
+        return _JSONResponse(await engine.control("cache_stats"))
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         return _JSONResponse(model_list(served_model_name, max_model_len, serving.created))

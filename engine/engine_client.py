@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
 
 import envs
-from engine.request import AbortRequest, EngineRequest, RequestOutput
+from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
 from engine.tokenizer import Tokenizer
 from inter_communicator.instance_signals import InstanceSignals
 
@@ -104,6 +105,22 @@ class EngineClient:
                 if not self._engine_alive():
                     return RequestOutput(request_id, [], finished=True, finish_reason="error",
                                          error="the engine process died")
+
+    async def control(self, command: str, timeout: float = 30.0) -> dict:
+        """Run an engine command (``reset_prefix_cache``, ``cache_stats``) and return its result."""
+        if not self._engine_alive():
+            raise EngineDeadError("the engine process is not running")
+        request_id = f"control-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            await self._push.send_pyobj(ControlRequest(request_id, command))
+            reply: ControlReply = await asyncio.wait_for(queue.get(), timeout)
+        finally:
+            self._queues.pop(request_id, None)
+        if reply.error:
+            raise ValueError(reply.error)
+        return reply.result
 
     async def abort(self, request_id: str) -> None:
         if self._push is not None and self._engine_alive():

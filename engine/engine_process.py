@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import zmq
 
 import envs
-from engine.block_manager import BlockManager
+from cache_manager.cache_transfer_manager import run_cache_transfer
+from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
+from cache_manager.transfer_client import CacheTransferClient
 from engine.config import EngineConfig
 from engine.log import setup_logging
-from engine.request import AbortRequest, EngineRequest, RequestOutput
+from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from inter_communicator.instance_signals import InstanceSignals
@@ -43,13 +45,16 @@ class EngineAddresses:
     outputs: str  # engine -> API server
     batches: str  # engine -> worker
     results: str  # worker -> engine
+    transfer_tasks: str  # engine -> cache transfer process
+    transfer_done: str  # cache transfer process -> engine
 
     @classmethod
     def in_dir(cls, ipc_dir: str, dp_rank: int = 0) -> "EngineAddresses":
         def addr(name: str) -> str:
             return f"ipc://{os.path.join(ipc_dir, f'{name}.{dp_rank}.sock')}"
 
-        return cls(addr("requests"), addr("outputs"), addr("batches"), addr("results"))
+        return cls(addr("requests"), addr("outputs"), addr("batches"), addr("results"), addr("transfer_tasks"),
+                   addr("transfer_done"))
 
 
 class StepLog:
@@ -93,19 +98,29 @@ class Engine:
         self.config = config
         self.addresses = addresses
         self.stop_event = stop_event
+        self.signals = InstanceSignals(config, create=False)
+        self.context = zmq.Context()
+        self.transfer: CacheTransferClient | None = None
+        if needs_cache_transfer(config):
+            self.transfer = CacheTransferClient(self.context, addresses.transfer_tasks, addresses.transfer_done)
+        self.cache = PrefixCacheManager(cache_config(config), self.signals.block_states.value,
+                                        submit=self.transfer.submit if self.transfer else None)
+        if self.transfer is not None:
+            self.transfer.on_done = self.cache.on_transfer_done
+            self.transfer.on_started = self.cache.on_transfer_started
         self.scheduler = Scheduler(
-            BlockManager(config.num_gpu_blocks, config.block_size),
+            self.cache,
             max_num_seqs=config.args.max_num_seqs,
             max_num_batched_tokens=config.args.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            schedule_on_fill_start=envs.FD_KVCACHE_FAULT_EARLY_SCHEDULE,
         )
-        self.signals = InstanceSignals(config, create=False)
-        self.context = zmq.Context()
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
         self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
         self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
         self.result_socket = self._socket(zmq.PULL, addresses.results)
         self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.cache_transfers: list[multiprocessing.process.BaseProcess] = []
         self.step_log = StepLog()
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
@@ -122,31 +137,45 @@ class Engine:
                                  args=(self.config, tp_rank, self.addresses.batches, self.addresses.results))
             proc.start()
             self.workers.append(proc)
-        self._wait_workers_ready()
+        self._wait_ready(self.signals.worker_ready.value, "workers")
+        if self.transfer is not None:
+            self._start_cache_transfers(spawn)
 
-    def _wait_workers_ready(self) -> None:
+    def _start_cache_transfers(self, spawn: multiprocessing.context.BaseContext) -> None:
+        for tp_rank in range(self.config.args.tensor_parallel_size):
+            proc = spawn.Process(target=run_cache_transfer, name=f"fdserve-cache-transfer-{tp_rank}",
+                                 args=(self.config, tp_rank, self.addresses.transfer_tasks,
+                                       self.addresses.transfer_done))
+            proc.start()
+            self.cache_transfers.append(proc)
+        self._wait_ready(self.signals.cache_transfer_ready.value, "cache transfer processes")
+
+    def _wait_ready(self, flags, what: str) -> None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while not all(self.signals.worker_ready.value):
+        while not all(flags):
             self._check_workers_alive()
             if self.stop_event.is_set():
                 raise InterruptedError("stopped while waiting for workers")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers not ready after {WORKER_START_TIMEOUT_S:.0f} s")
+                raise TimeoutError(f"{what} not ready after {WORKER_START_TIMEOUT_S:.0f} s")
             self.stop_event.wait(0.1)
-        logger.info("%d worker(s) ready", len(self.workers))
+        logger.info("%s ready", what)
 
     def _check_workers_alive(self) -> None:
-        for proc in self.workers:
+        for proc in self.workers + self.cache_transfers:
             if not proc.is_alive():
                 raise WorkerDied(f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def stop_workers(self) -> None:
-        for _ in self.workers:
+        sockets = [self.batch_socket] * len(self.workers)
+        if self.transfer is not None:
+            sockets += [self.transfer.task_socket] * len(self.cache_transfers)
+        for sock in sockets:
             try:
-                self.batch_socket.send_pyobj(WorkerShutdown("engine stopping"), flags=zmq.NOBLOCK)
+                sock.send_pyobj(WorkerShutdown("engine stopping"), flags=zmq.NOBLOCK)
             except zmq.Again:
-                logger.warning("could not queue a shutdown message for a worker; it will be terminated")
-        for proc in self.workers:
+                logger.warning("could not queue a shutdown message; the process will be terminated")
+        for proc in self.workers + self.cache_transfers:
             proc.join(SHUTDOWN_GRACE_S)
             if proc.is_alive():
                 logger.warning("worker %s did not stop in %.0f s; terminating", proc.name, SHUTDOWN_GRACE_S)
@@ -162,12 +191,17 @@ class Engine:
         self.signals.engine_ready.value[0] = 1
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
                     self.config.block_size, self.config.max_model_len)
+        idle = False
         while not self.stop_event.is_set():
             self.signals.engine_heartbeat.value[0] = time.time()
-            self._receive_requests(block=not self.scheduler.has_work())
+            self._receive_requests(block=idle)
+            self._service_cache()
             batch = self.scheduler.schedule()
             if batch is None:
+                # Nothing runnable: wait for a request or (while fills run) a transfer completion.
+                idle = True
                 continue
+            idle = False
             step_started = time.perf_counter()
             result = self._run_step(batch)
             outputs = self.scheduler.update(result)
@@ -181,8 +215,16 @@ class Engine:
         self.signals.engine_stats.value[:] = (sched.num_running, sched.num_waiting, blocks.num_used_blocks,
                                               blocks.num_blocks, sched.num_preemptions, sched.num_steps)
 
+    def _service_cache(self) -> None:
+        if self.transfer is None:
+            return
+        self.transfer.poll()
+        for seq in self.cache.expired_loads():
+            self.scheduler.preempt(seq)
+        self.cache.offload()
+
     def _receive_requests(self, block: bool) -> None:
-        if block and not self.request_socket.poll(POLL_MS):
+        if block and not self._wait_for_input():
             self._check_workers_alive()
             return
         outputs: list[RequestOutput] = []
@@ -194,6 +236,15 @@ class Engine:
             outputs.extend(self._handle_message(message))
         self._send_outputs(outputs)
         self._publish_stats()
+
+    def _wait_for_input(self) -> bool:
+        """Block up to POLL_MS for an API message or a transfer completion; True if an API message is ready."""
+        poller = zmq.Poller()
+        poller.register(self.request_socket, zmq.POLLIN)
+        if self.transfer is not None:
+            poller.register(self.transfer.done_socket, zmq.POLLIN)
+        ready = dict(poller.poll(POLL_MS))
+        return self.request_socket in ready
 
     def _handle_message(self, message: object) -> list[RequestOutput]:
         if isinstance(message, EngineRequest):
@@ -207,13 +258,34 @@ class Engine:
                 return []
             return [RequestOutput(seq.request_id, [], finished=True, finish_reason="abort",
                                   num_prompt_tokens=seq.num_prompt_tokens)]
+        if isinstance(message, ControlRequest):
+            self.output_socket.send_pyobj([self._control(message)])
+            return []
         logger.error("ignoring unknown message of type %s from the API server", type(message).__name__)
         return []
+
+    def _control(self, request: ControlRequest) -> ControlReply:
+        if request.command == "reset_prefix_cache":
+            dropped = self.cache.reset()
+            logger.info("prefix cache reset: %d device/host blocks dropped (storage kept)", dropped)
+            return ControlReply(request.request_id, {"dropped_blocks": dropped})
+        if request.command == "cache_stats":
+            return ControlReply(request.request_id, self.cache.summary())
+        return ControlReply(request.request_id, {}, error=f"unknown command {request.command!r}")
 
     def _run_step(self, batch: StepBatch) -> StepResult:
         self.batch_socket.send_pyobj(batch)
         deadline = time.monotonic() + envs.FD_WORKER_STEP_TIMEOUT
-        while not self.result_socket.poll(POLL_MS):
+        poller = zmq.Poller()
+        poller.register(self.result_socket, zmq.POLLIN)
+        if self.transfer is not None:
+            poller.register(self.transfer.done_socket, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            if self.transfer is not None and self.transfer.done_socket in ready:
+                self.transfer.poll()
+            if self.result_socket in ready:
+                break
             self.signals.engine_heartbeat.value[0] = time.time()
             self._check_workers_alive()
             if time.monotonic() > deadline:
@@ -241,8 +313,27 @@ class Engine:
         self.signals.engine_ready.value[0] = 0
         for sock in (self.request_socket, self.output_socket, self.batch_socket, self.result_socket):
             sock.close(linger=0)
+        if self.transfer is not None:
+            self.transfer.close()
         self.context.term()
         self.signals.close()
+
+
+def needs_cache_transfer(config: EngineConfig) -> bool:
+    return config.num_cpu_blocks > 0 or config.args.kvcache_storage_backend is not None
+
+
+def cache_config(config: EngineConfig) -> CacheConfig:
+    return CacheConfig(
+        num_gpu_blocks=config.num_gpu_blocks,
+        block_size=config.block_size,
+        model_fingerprint=config.model_config.model_fingerprint,
+        enable_prefix_caching=config.args.enable_prefix_caching,
+        num_cpu_blocks=config.num_cpu_blocks,
+        storage_enabled=config.args.kvcache_storage_backend is not None,
+        write_policy=config.args.write_policy,
+        transfer_timeout_s=envs.FD_KVCACHE_TRANSFER_TIMEOUT,
+    )
 
 
 def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:

@@ -36,3 +36,18 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+@dataclass
+class ControlRequest:
+    """An administrative command for the engine (``reset_prefix_cache``, ``cache_stats``)."""
+
+    request_id: str
+    command: str
+
+
+@dataclass
+class ControlReply:
+    request_id: str
+    result: dict
+    error: str | None = None

@@ -24,7 +24,13 @@ _STAT_STARTTIME_FIELD = 22
 _DEAD_STATES = ("Z", "X", "x")
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+# The kernel can deliver the parent-death signal more than once (once per re-parenting when the
+# parent had several threads). SIGTERM's handler restores the default after the first one, so a
+# second SIGTERM would kill us mid-cleanup; SIGUSR1 only ever requests a stop.
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
+
+
+def set_parent_death_signal(sig: int = PARENT_DEATH_SIGNAL, parent_pid: int | None = None) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux prctl).
 
     The kernel tracks the parent *thread* that forked us, and the setting is cleared by some
@@ -138,7 +144,8 @@ def install_shutdown_handlers(callback: Callable[[], object]) -> None:
     """On the first SIGINT or SIGTERM, restore the default handlers and call ``callback`` once.
 
     Restoring first means a second Ctrl-C (or SIGTERM) kills the process even if the
-    callback hangs. Must be called from the main thread (a Python signal rule).
+    callback hangs. ``PARENT_DEATH_SIGNAL`` also calls ``callback`` once, without restoring
+    anything, since the kernel may send it twice. Must be called from the main thread.
     """
     fired = threading.Event()
 
@@ -151,5 +158,13 @@ def install_shutdown_handlers(callback: Callable[[], object]) -> None:
         logger.info("received %s; shutting down (send it again to kill)", signal.Signals(signum).name)
         callback()
 
+    def handle_parent_death(_signum: int, _frame: object) -> None:
+        if fired.is_set():
+            return
+        fired.set()
+        logger.warning("parent process died; shutting down")
+        callback()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)
+    signal.signal(PARENT_DEATH_SIGNAL, handle_parent_death)

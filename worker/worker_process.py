@@ -17,7 +17,9 @@ from tqdm import tqdm
 import envs
 from engine.config import EngineConfig
 from engine.log import setup_logging
+from cache_manager.block_state import BlockState
 from inter_communicator.instance_signals import InstanceSignals
+from inter_communicator.kvcache_lock import kvcache_lock_for
 from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
 from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
 
@@ -35,6 +37,11 @@ class Worker:
         self.stop_event = threading.Event()
         self.runner = ModelRunner(config, tp_rank)
         self.signals = InstanceSignals(config, create=False)
+        # Only TP rank 0 takes the lock: the other ranks would otherwise deadlock in collectives.
+        self.kvcache_lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="worker",
+                                             enabled=envs.FD_USE_KVCACHE_LOCK and tp_rank == 0)
+        self.sanitizer = BlockStateSanitizer(self.signals.block_states.value, config.block_size) \
+            if envs.FD_KVCACHE_SANITIZER else None
         self.zmq_context = zmq.Context()
         self.batch_socket = self.zmq_context.socket(zmq.PULL)
         self.batch_socket.connect(batch_addr)
@@ -43,12 +50,20 @@ class Worker:
 
     def execute_model(self, batch: StepBatch) -> StepResult:
         """One engine step on this rank (the single entry point the engine drives)."""
+        violations: dict[str, str] = {}
+        if self.sanitizer is not None:
+            violations = self.sanitizer.check(batch)
+            if violations:
+                batch = StepBatch(batch.step_id, [s for s in batch.seqs if s.request_id not in violations])
         try:
-            return self.runner.execute_model(batch)
+            with self.kvcache_lock.hold("execute_model"):
+                result = self.runner.execute_model(batch) if batch.seqs else StepResult(batch.step_id)
+            result.errors.update(violations)
+            return result
         except Exception as exc:  # a bad step fails its requests, not the worker
             logger.exception("execute_model failed for step %d", batch.step_id)
             message = f"worker error during execute_model: {type(exc).__name__}: {exc}"
-            return StepResult(batch.step_id, errors={s.request_id: message for s in batch.seqs})
+            return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
 
     def serve(self) -> None:
         self.signals.worker_ready.value[self.tp_rank] = 1
@@ -72,6 +87,43 @@ class Worker:
         self.zmq_context.term()
         self.runner.close()
         self.signals.close()
+
+
+class BlockStateSanitizer:
+    """FD_KVCACHE_SANITIZER: refuse to run a sequence whose blocks are not safe to touch.
+
+    Blocks a step writes (the slots of its new tokens) must be IN_USE; blocks it
+    only reads may also be WRITE_BACK (a full block being copied out). Anything
+    else (being filled, free, cached without a reference) is a scheduling bug.
+    """
+
+    READABLE = (BlockState.IN_USE, BlockState.WRITE_BACK)
+
+    def __init__(self, states, block_size: int) -> None:
+        self.states = states
+        self.block_size = block_size
+
+    def check(self, batch: StepBatch) -> dict[str, str]:
+        violations = {}
+        for seq in batch.seqs:
+            problem = self._check_seq(seq)
+            if problem:
+                logger.error("KV sanitizer: %s", problem)
+                violations[seq.request_id] = f"KV-cache sanitizer: {problem}"
+        return violations
+
+    def _check_seq(self, seq) -> str | None:
+        first_written = (seq.context_len - len(seq.token_ids)) // self.block_size
+        last = (seq.context_len - 1) // self.block_size
+        for index in range(last + 1):
+            block_id = seq.block_table[index]
+            state = BlockState(int(self.states[block_id]))
+            allowed = (BlockState.IN_USE,) if index >= first_written else self.READABLE
+            if state not in allowed:
+                action = "write" if index >= first_written else "read"
+                return (f"execute_model would {action} block {block_id} of request {seq.request_id} "
+                        f"while it is {state.name}")
+        return None
 
 
 def tune_malloc() -> None:

@@ -1,0 +1,446 @@
+"""The cache transfer process: moves KV blocks between the device pool, the host pool and storage.
+
+One process per worker rank, spawned by the engine (``run_cache_transfer``). It owns:
+- the host KV pool segment (created here, unlinked on every exit path);
+- the storage backend client (``--kvcache-storage-backend``) and its reusable staging buffers;
+- the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch) and
+  ``ClearStorage``, answered with ``TransferStarted`` / ``TransferDone`` over ZMQ;
+- its readiness flag and heartbeat in ``InstanceSignals``.
+
+The device pool belongs to the worker; this process only maps it. Every copy that touches it runs
+under the KV-cache lock (when enabled), and storage I/O never does, so slow storage cannot hold up
+execute_model. Correctness rests on block states (the engine never lets execute_model touch a block
+in transfer); with FD_KVCACHE_SANITIZER=1 this process checks them before touching a device block.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+import zmq
+
+import envs
+from cache_manager.block_copy import (
+    check_block_ids,
+    device_to_host,
+    device_to_staging,
+    host_to_device,
+    staging_to_device,
+)
+from cache_manager.block_state import TRANSFER_REQUIRED_STATE, BlockState, KVCacheSanitizerError
+from cache_manager.kv_layout import (
+    block_shape,
+    device_cache_segment,
+    device_cache_shape,
+    host_cache_segment,
+    host_cache_shape,
+)
+from cache_manager.transfer_factory.base import KVStorageBackend
+from cache_manager.transfer_factory.factory import StorageConfig, create_storage_backend
+from engine.config import EngineConfig
+from engine.log import setup_logging
+from inter_communicator.instance_signals import InstanceSignals
+from inter_communicator.kvcache_lock import KVCacheLock, NullKVCacheLock, kvcache_lock_for
+from inter_communicator.messages import (
+    TRANSFER_KINDS,
+    ClearStorage,
+    TransferDone,
+    TransferStarted,
+    TransferTask,
+    WorkerShutdown,
+)
+from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
+from inter_communicator.shm import SharedArray
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500
+HEARTBEAT_INTERVAL_S = 0.5
+# Blocks staged per storage round trip. Staging memory is allocated once (np.empty: pages are only
+# touched when used); larger tasks run in chunks of this many blocks. 16 SmolLM2 blocks of 64
+# tokens are 47 MB.
+STAGING_BLOCKS = 16
+# Sent by the kernel when the parent dies; not SIGTERM, see _arm_parent_death.
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
+# Give the engine time to receive the last TransferDone before the socket is dropped at exit.
+DONE_LINGER_MS = 500
+
+
+class TransferTaskError(ValueError):
+    """A task that cannot run as described (wrong kind, mismatched id lists, missing tier)."""
+
+
+class _Heartbeat(threading.Thread):
+    """Stamps ``cache_transfer_heartbeat[tp_rank]`` every HEARTBEAT_INTERVAL_S.
+
+    A thread rather than the serve loop, because a single task may legitimately wait longer than
+    a second (a lock held by a long prefill, storage I/O); the engine detects stuck tasks by
+    their own timeouts.
+    """
+
+    def __init__(self, heartbeat: np.ndarray, tp_rank: int) -> None:
+        super().__init__(name="cache-transfer-heartbeat", daemon=True)
+        self._heartbeat = heartbeat
+        self._tp_rank = tp_rank
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self._heartbeat[self._tp_rank] = time.time()
+            if self._stopped.wait(HEARTBEAT_INTERVAL_S):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=5.0)
+
+
+def _block_count(task: TransferTask) -> int:
+    """Number of per-block results a task answers with (also for malformed tasks)."""
+    return max(len(task.device_block_ids), len(task.host_block_ids), len(task.storage_keys))
+
+
+def _state_name(value: int) -> str:
+    try:
+        return BlockState(value).name
+    except ValueError:
+        return f"unknown({value})"
+
+
+class CacheTransferManager:
+    """Executes transfer tasks of one worker rank; ``serve`` runs until ``stop_event`` is set."""
+
+    def __init__(self, config: EngineConfig, tp_rank: int, task_addr: str, done_addr: str,
+                 stop_event: threading.Event | None = None) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.stop_event = stop_event or threading.Event()
+        self.sanitizer = bool(envs.FD_KVCACHE_SANITIZER)  # read once: a process-wide mode, fixed at start
+        self.signals: InstanceSignals | None = None
+        self.device_segment: SharedArray | None = None
+        self.host_segment: SharedArray | None = None
+        self.backend: KVStorageBackend | None = None
+        self.lock: KVCacheLock | NullKVCacheLock | None = None
+        self.staging: np.ndarray | None = None
+        self.zmq_context: zmq.Context | None = None
+        self.task_socket: zmq.Socket | None = None
+        self.done_socket: zmq.Socket | None = None
+        self._heartbeat: _Heartbeat | None = None
+        try:
+            self._open(task_addr, done_addr)
+        except BaseException:
+            # A half-built manager must still drop the host segment and sockets it made.
+            self.close()
+            raise
+
+    # ---- set-up / tear-down ----------------------------------------------------------------
+
+    def _open(self, task_addr: str, done_addr: str) -> None:
+        config, model = self.config, self.config.model_config
+        self.signals = InstanceSignals(config, create=False)
+        self.device_segment = SharedArray(
+            device_cache_segment(config.instance_id, config.dp_rank, self.tp_rank),
+            device_cache_shape(model, config.num_gpu_blocks, config.block_size), np.float32, create=False)
+        if config.num_cpu_blocks > 0:
+            self.host_segment = SharedArray(
+                host_cache_segment(config.instance_id, config.dp_rank, self.tp_rank),
+                host_cache_shape(model, config.num_cpu_blocks, config.block_size), np.float32, create=True)
+        if config.args.kvcache_storage_backend:
+            self.backend = _create_backend(config)
+            staging_blocks = min(STAGING_BLOCKS, config.num_gpu_blocks)
+            self.staging = np.empty((staging_blocks, *block_shape(model, config.block_size)), dtype=np.float32)
+        self.lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="cache_transfer")
+        self.zmq_context = zmq.Context()
+        self.task_socket = self.zmq_context.socket(zmq.PULL)
+        self.task_socket.connect(task_addr)
+        self.done_socket = self.zmq_context.socket(zmq.PUSH)
+        self.done_socket.setsockopt(zmq.LINGER, DONE_LINGER_MS)
+        self.done_socket.connect(done_addr)
+        logger.info("cache transfer ready: device pool %d blocks, host pool %d blocks%s, storage %s, lock %s, "
+                    "sanitizer %s", config.num_gpu_blocks, config.num_cpu_blocks,
+                    f" ({self.host_segment.name})" if self.host_segment else "",
+                    config.args.kvcache_storage_backend or "none", "on" if self.lock.enabled else "off",
+                    "on" if self.sanitizer else "off")
+
+    @property
+    def device(self) -> np.ndarray:
+        return self.device_segment.array
+
+    def close(self) -> None:
+        """Release everything; safe on a partly opened manager and on repeated calls."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.signals is not None:
+            self.signals.cache_transfer_ready.value[self.tp_rank] = 0
+            self.signals.close()
+            self.signals = None
+        for sock in (self.task_socket, self.done_socket):
+            if sock is not None:
+                sock.close()
+        self.task_socket = self.done_socket = None
+        if self.zmq_context is not None:
+            self.zmq_context.term()
+            self.zmq_context = None
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:  # shutting down anyway: report, then keep releasing the rest
+                logger.exception("closing the storage backend failed")
+            self.backend = None
+        if self.host_segment is not None:
+            self.host_segment.close()
+            self.host_segment.unlink()
+            self.host_segment = None
+        if self.device_segment is not None:
+            self.device_segment.close()
+            self.device_segment = None
+        self.staging = None
+
+    # ---- serving ---------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        self._heartbeat = _Heartbeat(self.signals.cache_transfer_heartbeat.value, self.tp_rank)
+        self._heartbeat.start()
+        self.signals.cache_transfer_ready.value[self.tp_rank] = 1
+        poller = zmq.Poller()
+        poller.register(self.task_socket, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            try:
+                message = self.task_socket.recv_pyobj()
+            except Exception:  # a message this process cannot even unpickle: drop it, keep serving
+                logger.exception("undecodable message on the task socket dropped")
+                continue
+            if isinstance(message, WorkerShutdown):
+                logger.info("shutdown requested by the engine: %s", message.reason)
+                break
+            self.handle(message)
+
+    def handle(self, message: object) -> None:
+        """Execute one message from the engine (anything but WorkerShutdown)."""
+        if isinstance(message, TransferTask):
+            self.done_socket.send_pyobj(self.run_task(message))
+        elif isinstance(message, ClearStorage):
+            self._clear_storage()
+        else:
+            logger.error("unknown message type %s ignored: %r", type(message).__name__, message)
+
+    def _clear_storage(self) -> None:
+        if self.backend is None:
+            logger.error("ClearStorage ignored: no storage backend is configured")
+            return
+        try:
+            self.backend.clear()
+        except Exception:  # an admin request must not take the process down
+            logger.exception("clearing the storage backend failed")
+            return
+        logger.info("storage cleared")
+
+    def run_task(self, task: TransferTask) -> TransferDone:
+        """Run one task; never raises: failures become ok all False plus ``error``."""
+        started = time.perf_counter()
+        try:
+            ok = self._run(task)
+            error = None
+        except KVCacheSanitizerError as exc:
+            logger.error("%s", exc)
+            ok, error = [False] * _block_count(task), str(exc)
+        except Exception as exc:  # one bad task fails its blocks, the process keeps serving
+            logger.exception("transfer task %s (%s) failed", task.task_id, task.kind)
+            ok, error = [False] * _block_count(task), f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - started
+        logger.debug("task %s %s: %d/%d blocks in %.1f ms", task.task_id, task.kind, sum(ok), len(ok),
+                     seconds * 1e3)
+        return TransferDone(task_id=task.task_id, kind=task.kind, ok=ok, seconds=seconds, error=error)
+
+    def _run(self, task: TransferTask) -> list[bool]:
+        if task.kind == "swap_out":
+            return self._swap_out(task)
+        if task.kind == "swap_in":
+            return self._swap_in(task)
+        if task.kind == "write_back":
+            return self._write_back(task)
+        if task.kind == "prefetch":
+            return self._prefetch(task)
+        raise TransferTaskError(f"unknown transfer kind {task.kind!r} (expected one of {TRANSFER_KINDS})")
+
+    # ---- the four kinds ----------------------------------------------------------------------
+
+    def _swap_out(self, task: TransferTask) -> list[bool]:
+        host = self._host_pool(task)
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(task.host_block_ids), "host_block_ids")
+        with self.lock.hold("swap_out"):
+            self._check_states(task, device_ids)
+            device_to_host(self.device, host, device_ids, task.host_block_ids)
+        return [True] * len(device_ids)
+
+    def _swap_in(self, task: TransferTask) -> list[bool]:
+        host = self._host_pool(task)
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(task.host_block_ids), "host_block_ids")
+        check_block_ids(task.host_block_ids, host.shape[0], "host")
+        self._check_states(task, device_ids)
+        with self.lock.hold("swap_in"):
+            self._send_started(task)
+            self._check_states(task, device_ids)
+            host_to_device(host, self.device, task.host_block_ids, device_ids)
+        return [True] * len(device_ids)
+
+    def _write_back(self, task: TransferTask) -> list[bool]:
+        backend = self._storage(task)
+        if not task.device_block_ids:
+            return self._write_back_from_host(task, backend)
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(task.storage_keys), "storage_keys")
+        self._check_states(task, device_ids)
+        ok: list[bool] = []
+        for chunk in self._chunks(len(device_ids)):
+            chunk_ids = device_ids[chunk]
+            with self.lock.hold("write_back"):
+                self._check_states(task, chunk_ids)
+                device_to_staging(self.device, self.staging, chunk_ids)
+            buffers = [self.staging[row] for row in range(len(chunk_ids))]
+            ok.extend(_results(backend.batch_put(task.storage_keys[chunk], buffers), len(chunk_ids), "batch_put"))
+        return ok
+
+    def _write_back_from_host(self, task: TransferTask, backend: KVStorageBackend) -> list[bool]:
+        """Host blocks are contiguous storage objects already and only this process writes them:
+        hand them to the backend directly, with no staging copy and no lock (the device is not touched)."""
+        host = self._host_pool(task)
+        if len(task.host_block_ids) != len(task.storage_keys):
+            raise TransferTaskError(f"write_back task {task.task_id}: {len(task.host_block_ids)} host blocks "
+                                    f"but {len(task.storage_keys)} storage keys")
+        host_ids = check_block_ids(task.host_block_ids, host.shape[0], "host")
+        return _results(backend.batch_put(list(task.storage_keys), [host[h] for h in host_ids]), len(host_ids),
+                        "batch_put")
+
+    def _prefetch(self, task: TransferTask) -> list[bool]:
+        backend = self._storage(task)
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(task.storage_keys), "storage_keys")
+        self._check_states(task, device_ids)
+        ok: list[bool] = []
+        for chunk in self._chunks(len(device_ids)):
+            chunk_ids = device_ids[chunk]
+            buffers = [self.staging[row] for row in range(len(chunk_ids))]
+            got = _results(backend.batch_get(task.storage_keys[chunk], buffers), len(chunk_ids), "batch_get")
+            hit_rows = [row for row, hit in enumerate(got) if hit]
+            with self.lock.hold("prefetch"):
+                if chunk.start == 0:
+                    self._send_started(task)
+                self._check_states(task, chunk_ids)
+                staging_to_device(self.staging, self.device, hit_rows, [chunk_ids[row] for row in hit_rows])
+            ok.extend(got)
+        if not device_ids:
+            self._send_started(task)
+        return ok
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _send_started(self, task: TransferTask) -> None:
+        self.done_socket.send_pyobj(TransferStarted(task_id=task.task_id))
+
+    def _chunks(self, count: int) -> list[slice]:
+        size = self.staging.shape[0]
+        return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+    def _device_ids(self, task: TransferTask) -> list[int]:
+        return check_block_ids(task.device_block_ids, self.config.num_gpu_blocks, "device", unique=True)
+
+    def _host_pool(self, task: TransferTask) -> np.ndarray:
+        if self.host_segment is None:
+            raise TransferTaskError(f"{task.kind} task {task.task_id} needs the host pool, but this server "
+                                    "runs without one (--swap-space 0)")
+        return self.host_segment.array
+
+    def _storage(self, task: TransferTask) -> KVStorageBackend:
+        if self.backend is None:
+            raise TransferTaskError(f"{task.kind} task {task.task_id} needs a storage backend, but none is "
+                                    "configured (--kvcache-storage-backend)")
+        return self.backend
+
+    def _check_states(self, task: TransferTask, device_ids: Sequence[int]) -> None:
+        """Sanitizer: every device block of the task must be in the state its kind requires."""
+        if not self.sanitizer:
+            return
+        required = TRANSFER_REQUIRED_STATE[task.kind]
+        states = self.signals.block_states.value
+        for block in device_ids:
+            state = int(states[block])
+            if state != required:
+                raise KVCacheSanitizerError(
+                    f"KV cache sanitizer: {task.kind} task {task.task_id} refused to touch device block {block}: "
+                    f"its state is {_state_name(state)}, {task.kind} requires {required.name}; the block was not copied")
+
+
+def _require_pairs(task: TransferTask, count: int, field_name: str) -> None:
+    if count != len(task.device_block_ids):
+        raise TransferTaskError(f"{task.kind} task {task.task_id}: {len(task.device_block_ids)} device blocks but "
+                                f"{count} {field_name}")
+
+
+def _results(values: Sequence[bool], expected: int, call: str) -> list[bool]:
+    results = [bool(v) for v in values]
+    if len(results) != expected:
+        raise TransferTaskError(f"storage backend {call} answered {len(results)} results for {expected} blocks")
+    return results
+
+
+def _create_backend(config: EngineConfig) -> KVStorageBackend:
+    # Fields not given on the command line keep StorageConfig's defaults from envs.py.
+    overrides = {"backend": config.args.kvcache_storage_backend}
+    if config.args.file_backend_storage_dir:
+        overrides["file_dir"] = config.args.file_backend_storage_dir
+    return create_storage_backend(StorageConfig(**overrides))
+
+
+def _arm_parent_death(stop_event: threading.Event) -> ParentWatcher:
+    """Stop serving when the parent (the engine) dies, however it dies.
+
+    The kernel sends the parent-death signal at every reparenting: when a multi-threaded parent is
+    killed and its main thread goes first, we are handed to another of its threads and then to init,
+    and get the signal twice (observed here). ``install_shutdown_handlers`` restores the default
+    action after the first SIGTERM, so a second one would kill this process before it unlinks the
+    host pool. A dedicated signal whose handler only sets the stop event can arrive any number of
+    times. The pid comes from multiprocessing, so a parent that died before this point counts too.
+    """
+    def on_parent_death(_signum: int, _frame: object) -> None:
+        if not stop_event.is_set():
+            logger.warning("parent process died; shutting down")
+        stop_event.set()
+
+    signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else None
+    set_parent_death_signal(PARENT_DEATH_SIGNAL, parent_pid=parent_pid)
+    watcher = ParentWatcher(callback=stop_event.set, parent_pid=parent_pid)
+    watcher.start()
+    return watcher
+
+
+def run_cache_transfer(config: EngineConfig, tp_rank: int, task_addr: str, done_addr: str) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    setup_logging("cache_transfer", tp_rank)
+    stop_event = threading.Event()
+    install_shutdown_handlers(stop_event.set)
+    watcher = _arm_parent_death(stop_event)
+    manager = None
+    try:
+        manager = CacheTransferManager(config, tp_rank, task_addr, done_addr, stop_event)
+        manager.serve()
+    finally:
+        watcher.stop()
+        if manager is not None:
+            manager.close()
+        logger.info("cache transfer process exited")
