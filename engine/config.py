@@ -40,6 +40,8 @@ class EngineArgs:
     kvcache_storage_backend: str | None = None
     write_policy: str = "write_through"
     file_backend_storage_dir: str | None = None
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,6 +76,10 @@ class EngineArgs:
         parser.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
                             help="write_through: store a block when it becomes full and cached; "
                                  "write_back: store it when it is evicted")
+        parser.add_argument("--data-parallel-size", type=int, default=1,
+                            help="engine replicas (each with its own workers, cache and lock) behind one API server")
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="shard MoE experts across the data-parallel ranks' workers (one EP group)")
         parser.add_argument("--file-backend-storage-dir", default=None,
                             help="directory of the file storage backend (default: FILE_BACKEND_STORAGE_DIR)")
         return parser
@@ -95,6 +101,10 @@ class EngineConfig:
     instance_id: str
     ipc_dir: str = ""
     dp_rank: int = 0
+    dp_size: int = 1
+    # EP group rendezvous (paddle.distributed, gloo on CPU): every DP rank's worker joins.
+    ep_master_addr: str = "127.0.0.1"
+    ep_master_port: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -123,7 +133,8 @@ def _served_name(args: EngineArgs, model_path: str) -> str:
 
 
 def _validate_positive(args: EngineArgs) -> None:
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                 "data_parallel_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
@@ -172,4 +183,5 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         num_cpu_blocks=num_cpu_blocks,
         num_threads=num_threads,
         instance_id=instance_id,
+        dp_size=args.data_parallel_size,
     )
