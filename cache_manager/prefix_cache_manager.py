@@ -574,6 +574,30 @@ class PrefixCacheManager:
             dropped += 1
         return dropped
 
+    def drop_host_tier(self) -> None:
+        """The host pool's memory is gone (its process died): forget every host block."""
+        self._host_index.clear()
+        self._host_lru.clear()
+        for host in self.host_blocks:
+            host.block_hash = None
+            host.pinned = 0
+        self._host_free = list(range(len(self.host_blocks)))[::-1]
+
+    def forget_device_contents(self) -> None:
+        """The device pool's memory was recreated (worker restart): no cached prefix is valid any more.
+
+        Call after every sequence holding blocks was freed and every transfer failed.
+        """
+        self._device_index.clear()
+        self._cached_lru.clear()
+        self._free.clear()
+        for block in self.blocks:
+            block.ref_count = 0
+            block.block_hash = None
+            block.transfer_id = None
+            self._set_state(block, BlockState.FREE)
+            self._free[block.block_id] = None
+
     def summary(self) -> dict[str, int]:
         return {
             "kv_blocks_free": len(self._free),

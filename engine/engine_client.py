@@ -145,8 +145,13 @@ class EngineClient:
             "status": "ok" if healthy else "unhealthy",
             "engine": {"alive": self._engine_alive(), "ready": bool(self._signals.engine_ready.value[0]),
                        "heartbeat_age_s": round(engine_beat_age, 3)},
-            "workers": [{"rank": rank, "ready": bool(ready), "heartbeat_age_s": round(age, 3)}
-                        for rank, (ready, age) in enumerate(zip(self._signals.worker_ready.value, worker_beat_ages))],
+            "workers": [{"rank": rank, "ready": bool(ready), "heartbeat_age_s": round(age, 3), "pid": int(pid)}
+                        for rank, (ready, age, pid) in enumerate(zip(self._signals.worker_ready.value,
+                                                                     worker_beat_ages, self._signals.worker_pid.value))],
+            "cache_transfer": [{"rank": rank, "ready": bool(ready), "pid": int(pid)}
+                               for rank, (ready, pid) in enumerate(zip(self._signals.cache_transfer_ready.value,
+                                                                       self._signals.cache_transfer_pid.value))
+                               if pid],
             "active_requests": self.num_active_requests,
             "scheduler": self._signals.stats(),
         }

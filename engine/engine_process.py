@@ -18,6 +18,7 @@ import zmq
 
 import envs
 from cache_manager.cache_transfer_manager import run_cache_transfer
+from cache_manager.kv_layout import device_cache_segment, host_cache_segment
 from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
 from cache_manager.transfer_client import CacheTransferClient
 from engine.config import EngineConfig
@@ -27,6 +28,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
+from inter_communicator.kvcache_lock import KVCacheLock
+from inter_communicator.shm import unlink_segment
 from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
 from worker.worker_process import run_worker
 
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
 WORKER_START_TIMEOUT_S = 900.0
+RESTART_WINDOW_S = 300.0
+MAX_RESTARTS_PER_WINDOW = 5
 SHUTDOWN_GRACE_S = 4.0
 
 
@@ -90,7 +95,9 @@ class StepLog:
 
 
 class WorkerDied(RuntimeError):
-    pass
+    def __init__(self, message: str, role: str) -> None:
+        super().__init__(message)
+        self.role = role  # "worker" | "cache_transfer"
 
 
 class Engine:
@@ -122,6 +129,11 @@ class Engine:
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self.cache_transfers: list[multiprocessing.process.BaseProcess] = []
         self.step_log = StepLog()
+        self.stats_restarts = {"worker_restarts": 0, "cache_transfer_restarts": 0}
+        # Read-only handle for reporting the lock's wait/hold counters (the lock itself is launch.py's).
+        self.kvcache_lock = (KVCacheLock.attach(config.instance_id, config.dp_rank, role="engine")
+                             if envs.FD_USE_KVCACHE_LOCK else None)
+        self._restart_times: list[float] = []
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -136,6 +148,7 @@ class Engine:
             proc = spawn.Process(target=run_worker, name=f"fdserve-worker-{tp_rank}",
                                  args=(self.config, tp_rank, self.addresses.batches, self.addresses.results))
             proc.start()
+            self.signals.worker_pid.value[tp_rank] = proc.pid
             self.workers.append(proc)
         self._wait_ready(self.signals.worker_ready.value, "workers")
         if self.transfer is not None:
@@ -147,6 +160,7 @@ class Engine:
                                  args=(self.config, tp_rank, self.addresses.transfer_tasks,
                                        self.addresses.transfer_done))
             proc.start()
+            self.signals.cache_transfer_pid.value[tp_rank] = proc.pid
             self.cache_transfers.append(proc)
         self._wait_ready(self.signals.cache_transfer_ready.value, "cache transfer processes")
 
@@ -162,9 +176,75 @@ class Engine:
         logger.info("%s ready", what)
 
     def _check_workers_alive(self) -> None:
-        for proc in self.workers + self.cache_transfers:
-            if not proc.is_alive():
-                raise WorkerDied(f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}")
+        for role, procs in (("worker", self.workers), ("cache_transfer", self.cache_transfers)):
+            for proc in procs:
+                if not proc.is_alive():
+                    raise WorkerDied(f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}", role)
+
+    # ---- recovery ----------------------------------------------------------
+
+    def recover(self, exc: WorkerDied) -> None:
+        """Restart a dead worker or cache transfer process, failing only what it took down with it.
+
+        A dead worker takes the KV cache memory with it: running requests fail with an
+        error, cached prefixes are forgotten, and the cache transfer process is restarted
+        too (it mapped the old memory). A dead cache transfer process takes the host tier
+        with it: its in-flight copies become cache misses. Raises when restarting is not
+        possible (expert parallelism: the other ranks' collectives cannot be re-joined) or
+        keeps failing.
+        """
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restart_times) > MAX_RESTARTS_PER_WINDOW:
+            raise WorkerDied(f"{exc} ({len(self._restart_times)} restarts within {RESTART_WINDOW_S:.0f} s; "
+                             "giving up)", exc.role)
+        if self.config.args.enable_expert_parallel and exc.role == "worker":
+            raise WorkerDied(f"{exc}; an expert-parallel worker cannot be restarted alone", exc.role)
+        logger.error("%s; restarting it", exc)
+        spawn = multiprocessing.get_context("spawn")
+        if exc.role == "worker":
+            self._fail_running("the worker process died during this request; please retry")
+            self._stop_processes(self.cache_transfers)
+            self._stop_processes(self.workers)
+            self._reset_cache_state()
+            self.stats_restarts["worker_restarts"] += 1
+            self.start_workers()
+        else:
+            self._stop_processes(self.cache_transfers)
+            self._reset_cache_state(device_too=False)
+            self.stats_restarts["cache_transfer_restarts"] += 1
+            self._start_cache_transfers(spawn)
+        self._publish_stats()
+
+    def _fail_running(self, reason: str) -> None:
+        self.scheduler.discard_inflight()
+        outputs = []
+        for seq in list(self.scheduler.running):
+            self.scheduler.abort(seq.request_id)
+            outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
+                                         num_prompt_tokens=seq.num_prompt_tokens, error=reason))
+        self._send_outputs(outputs)
+
+    def _reset_cache_state(self, device_too: bool = True) -> None:
+        self.cache.fail_all_transfers()
+        self.cache.drop_host_tier()
+        tp = self.config.args.tensor_parallel_size
+        stale = [host_cache_segment(self.config.instance_id, self.config.dp_rank, r) for r in range(tp)]
+        self.signals.cache_transfer_ready.value[:] = 0
+        if device_too:
+            self.cache.forget_device_contents()
+            stale += [device_cache_segment(self.config.instance_id, self.config.dp_rank, r) for r in range(tp)]
+            self.signals.worker_ready.value[:] = 0
+        for name in stale:
+            if unlink_segment(name):
+                logger.info("removed %s left by the dead process", name)
+
+    def _stop_processes(self, procs: list) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+        procs.clear()
 
     def stop_workers(self) -> None:
         sockets = [self.batch_socket] * len(self.workers)
@@ -188,7 +268,15 @@ class Engine:
     # ---- main loop -------------------------------------------------------
 
     def run(self) -> None:
+        """Serve until stopped, restarting dead child processes (see ``recover``)."""
         self.signals.engine_ready.value[0] = 1
+        while not self.stop_event.is_set():
+            try:
+                self._serve()
+            except WorkerDied as exc:
+                self.recover(exc)
+
+    def _serve(self) -> None:
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
                     self.config.block_size, self.config.max_model_len)
         idle = False
@@ -213,7 +301,9 @@ class Engine:
     def _publish_stats(self) -> None:
         sched, blocks = self.scheduler, self.scheduler.block_manager
         self.signals.engine_stats.value[:] = (sched.num_running, sched.num_waiting, blocks.num_used_blocks,
-                                              blocks.num_blocks, sched.num_preemptions, sched.num_steps)
+                                              blocks.num_blocks, sched.num_preemptions, sched.num_steps,
+                                              self.stats_restarts["worker_restarts"],
+                                              self.stats_restarts["cache_transfer_restarts"])
 
     def _service_cache(self) -> None:
         if self.transfer is None:
@@ -270,7 +360,10 @@ class Engine:
             logger.info("prefix cache reset: %d device/host blocks dropped (storage kept)", dropped)
             return ControlReply(request.request_id, {"dropped_blocks": dropped})
         if request.command == "cache_stats":
-            return ControlReply(request.request_id, self.cache.summary())
+            summary = self.cache.summary()
+            if self.kvcache_lock is not None:
+                summary["kvcache_lock"] = self.kvcache_lock.stats()
+            return ControlReply(request.request_id, summary)
         return ControlReply(request.request_id, {}, error=f"unknown command {request.command!r}")
 
     def _run_step(self, batch: StepBatch) -> StepResult:
@@ -301,9 +394,9 @@ class Engine:
 
     def fail_all(self, reason: str) -> None:
         """Finish every known request with an error (the engine cannot go on)."""
-        self.scheduler.discard_inflight()
+        self._fail_running(reason)
         outputs = []
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for seq in list(self.scheduler.waiting):
             self.scheduler.abort(seq.request_id)
             outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
                                          num_prompt_tokens=seq.num_prompt_tokens, error=reason))
@@ -315,6 +408,8 @@ class Engine:
             sock.close(linger=0)
         if self.transfer is not None:
             self.transfer.close()
+        if self.kvcache_lock is not None:
+            self.kvcache_lock.close()
         self.context.term()
         self.signals.close()
 

@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from inter_communicator.ipc_signal import IPCSignal
 
 # Engine gauges published after every step (single writer: the engine), read by /health.
-ENGINE_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_steps")
+ENGINE_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_steps",
+                "worker_restarts", "cache_transfer_restarts")
 
 
 class InstanceSignals:
@@ -30,9 +31,13 @@ class InstanceSignals:
         self.cache_transfer_ready = IPCSignal("cache_transfer_ready", np.zeros(tp, dtype=np.int32), **kwargs)
         self.cache_transfer_heartbeat = IPCSignal("cache_transfer_heartbeat", np.zeros(tp, dtype=np.float64),
                                                   **kwargs)
+        # Pids of the engine's children, written by the engine (health reporting, fault tests).
+        self.worker_pid = IPCSignal("worker_pid", np.zeros(tp, dtype=np.int64), **kwargs)
+        self.cache_transfer_pid = IPCSignal("cache_transfer_pid", np.zeros(tp, dtype=np.int64), **kwargs)
         self.engine_stats = IPCSignal("engine_stats", np.zeros(len(ENGINE_STATS), dtype=np.int64), **kwargs)
         self._all = [self.worker_ready, self.worker_heartbeat, self.engine_ready, self.engine_heartbeat,
-                     self.engine_stats, self.block_states, self.cache_transfer_ready, self.cache_transfer_heartbeat]
+                     self.engine_stats, self.block_states, self.cache_transfer_ready, self.cache_transfer_heartbeat,
+                     self.worker_pid, self.cache_transfer_pid]
 
     def stats(self) -> dict[str, int]:
         return {name: int(value) for name, value in zip(ENGINE_STATS, self.engine_stats.value)}

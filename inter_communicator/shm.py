@@ -102,6 +102,11 @@ def _unlink(kind: str, name: str) -> bool:
     return True
 
 
+def unlink_segment(name: str) -> bool:
+    """Unlink a shared-memory segment by its bare name (one a dead process created); False if absent."""
+    return _unlink(_KIND_SHM, name)
+
+
 def unlink_created() -> list[str]:
     """Unlink every segment and semaphore this process created and has not unlinked yet.
 
