@@ -26,6 +26,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_KVCACHE_SANITIZER": (_bool, False, "Check block states before every KV-cache access; fail loudly on violation."),
     "FD_KVCACHE_FAULT_EARLY_SCHEDULE": (_bool, False, "TEST ONLY: schedule a request once its prefetch/swap-in has "
                                         "started instead of finished (the race the sanitizer must catch)."),
+    "FD_KVCACHE_FAULT_SLOW_FILL_S": (float, 0.0, "TEST ONLY: the cache transfer process sleeps this long between "
+                                                  "announcing a fill and copying it."),
     "FD_KVCACHE_TRANSFER_TIMEOUT": (float, 30.0, "Seconds a KV fill (swap-in/prefetch) may take before it counts "
                                                  "as a miss and the request recomputes."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
@@ -44,6 +46,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "MOONCAKE_LOCAL_HOSTNAME": (str, "127.0.0.1", "Address other Mooncake clients reach this process at."),
     "FD_KVCACHE_STORAGE_NAMESPACE": (str, "fdserve", "Namespace (directory / key prefix) of this server's "
                                      "objects in the KV-cache storage tier; clear() removes only it."),
+    "FD_METRICS_ENGINE_TIMEOUT": (float, 1.0, "Seconds GET /metrics waits for the engine's cache_stats reply "
+                                  "before serving the previous values."),
 }
 
 

@@ -121,6 +121,7 @@ class CacheTransferManager:
         self.tp_rank = tp_rank
         self.stop_event = stop_event or threading.Event()
         self.sanitizer = bool(envs.FD_KVCACHE_SANITIZER)  # read once: a process-wide mode, fixed at start
+        self.fault_slow_fill_s = envs.FD_KVCACHE_FAULT_SLOW_FILL_S
         self.signals: InstanceSignals | None = None
         self.device_segment: SharedArray | None = None
         self.host_segment: SharedArray | None = None
@@ -350,6 +351,10 @@ class CacheTransferManager:
 
     def _send_started(self, task: TransferTask) -> None:
         self.done_socket.send_pyobj(TransferStarted(task_id=task.task_id))
+        if self.fault_slow_fill_s > 0:
+            # Test-only: widen the window between "started" and the copy so the early-schedule fault
+            # deterministically races execute_model (the lock must close it, the sanitizer must see it).
+            time.sleep(self.fault_slow_fill_s)
 
     def _chunks(self, count: int) -> list[slice]:
         size = self.staging.shape[0]

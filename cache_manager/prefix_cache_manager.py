@@ -65,6 +65,7 @@ class LoadPlan:
 
     seq: Sequence
     block_hashes: list[str]  # hashes of seq.block_table[:len(block_hashes)]
+    first_fill: int = 0  # block index of the first filled block (the ones before are device hits)
     fill_sources: dict[int, str] = field(default_factory=dict)  # block index -> "host" | "storage"
     cancelled: bool = False  # the sequence was freed or preempted while its fills ran
     pending_tasks: set[int] = field(default_factory=set)
@@ -238,12 +239,14 @@ class PrefixCacheManager:
             if source is None or self.num_free_blocks <= len(fills):
                 break
             fills.append((index, block_hash, source))
-        seq.num_computed_tokens = device_hits * self.block_size
         self.stats.device_hit_tokens += device_hits * self.block_size
         if fills:
             self._start_fills(seq, fills)
+        # Counted as computed now; the scheduler does not run the sequence until the fills landed,
+        # and a failed fill lowers it again (_finish_plan).
+        seq.num_computed_tokens = len(seq.block_hashes) * self.block_size
         if seq.num_cached_tokens == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens + len(fills) * self.block_size
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def _share_device_block(self, seq: Sequence, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -263,7 +266,7 @@ class PrefixCacheManager:
         return None
 
     def _start_fills(self, seq: Sequence, fills: list[tuple[int, str, str]]) -> None:
-        plan = LoadPlan(seq, block_hashes=list(seq.block_hashes),
+        plan = LoadPlan(seq, block_hashes=list(seq.block_hashes), first_fill=len(seq.block_hashes),
                         deadline=time.monotonic() + self.config.transfer_timeout_s)
         swap_in: list[tuple[int, int, str]] = []
         prefetch: list[tuple[int, str]] = []
@@ -280,6 +283,7 @@ class PrefixCacheManager:
             else:
                 prefetch.append((block_id, block_hash))
         self._plans_by_seq[seq.request_id] = plan
+        seq.block_hashes = list(plan.block_hashes)
         if swap_in:
             task = self._new_task("swap_in", [d for d, _, _ in swap_in], host=[h for _, h, _ in swap_in])
             self._issue(task, [b for _, _, b in swap_in], BlockState.SWAP_IN, plan)
@@ -531,19 +535,19 @@ class PrefixCacheManager:
         seq = plan.seq
         self._plans_by_seq.pop(seq.request_id, None)
         loaded = len(plan.block_hashes) if plan.failed_from is None else plan.failed_from
-        first_fill = len(seq.block_hashes)
+        first_fill = plan.first_fill
         for index in range(first_fill, loaded):
             block = self.blocks[seq.block_table[index]]
             block_hash = plan.block_hashes[index]
             if block_hash not in self._device_index:
                 block.block_hash = block_hash
                 self._device_index[block_hash] = block.block_id
-        seq.block_hashes = plan.block_hashes[:loaded]
         host_hits = sum(1 for i in range(first_fill, loaded) if plan.fill_sources.get(i) == "host")
         self.stats.host_hit_tokens += host_hits * self.block_size
         self.stats.storage_hit_tokens += (loaded - first_fill - host_hits) * self.block_size
-        seq.num_computed_tokens = loaded * self.block_size
         if plan.failed_from is not None:
+            seq.block_hashes = plan.block_hashes[:loaded]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, loaded * self.block_size)
             logger.info("%s: %d of %d cached blocks could not be loaded; recomputing from token %d",
                         seq.request_id, len(plan.block_hashes) - loaded, len(plan.block_hashes) - first_fill,
                         seq.num_computed_tokens)

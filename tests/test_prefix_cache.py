@@ -148,10 +148,11 @@ def test_failed_prefetch_recomputes_from_the_first_missing_block():
     cache.on_transfer_done(TransferDone(task.task_id, "prefetch", ok=[True, False, True]))
     assert b.num_computed_tokens == BS and b.num_cached_tokens == BS
     assert cache.stats.storage_miss_blocks == 1
-    # Only the verified prefix is shared with later requests.
+    # Only the verified prefix is shared from the device; the rest is fetched again.
     c = seq("c", PROMPT)
     cache.admit(c)
-    assert c.num_computed_tokens == BS
+    assert c.block_table[0] == b.block_table[0] and c.block_table[1] != b.block_table[1]
+    assert cache.is_loading(c)
 
 
 def test_fill_of_an_aborted_request_keeps_its_blocks_quarantined():
