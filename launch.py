@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -52,12 +53,61 @@ def ipc_dir_for(instance_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"fd.{instance_id}.ipc")
 
 
-class Server:
-    """The processes and shared resources of one running instance; ``close`` releases them all."""
+class EngineReplica:
+    """One data-parallel rank: its signals, KV-cache lock and engine process."""
 
     def __init__(self, config: EngineConfig) -> None:
         from engine.engine_process import EngineAddresses
         from inter_communicator.instance_signals import InstanceSignals
+
+        self.config = config
+        self.addresses = EngineAddresses.in_dir(config.ipc_dir, config.dp_rank)
+        self.signals = InstanceSignals(config, create=True)
+        self.kvcache_lock = None
+        if envs.FD_USE_KVCACHE_LOCK:
+            from inter_communicator.kvcache_lock import KVCacheLock
+
+            self.kvcache_lock = KVCacheLock.create(config.instance_id, config.dp_rank, role="launch")
+        self.proc: multiprocessing.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        from engine.engine_process import run_engine
+
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(target=run_engine, name=f"fdserve-engine-{self.config.dp_rank}",
+                                  args=(self.config, self.addresses))
+        self.proc.start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def ready(self) -> bool:
+        if not self.alive():
+            code = self.proc.exitcode if self.proc is not None else None
+            raise LaunchError(f"engine of DP rank {self.config.dp_rank} exited during start-up (code {code}); "
+                              "see the log above")
+        return bool(self.signals.engine_ready.value[0])
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.exitcode is None:
+            proc.terminate()  # SIGTERM: the engine stops its workers, then exits
+            proc.join(ENGINE_STOP_TIMEOUT_S)
+            if proc.is_alive():
+                logger.warning("engine %s did not stop in %.0f s; killing it", proc.name, ENGINE_STOP_TIMEOUT_S)
+                proc.kill()
+                proc.join(2.0)
+        self.signals.close()
+        self.signals.unlink()
+        if self.kvcache_lock is not None:
+            self.kvcache_lock.close()
+            self.kvcache_lock.unlink()
+
+
+class Server:
+    """The processes and shared resources of one running instance; ``close`` releases them all."""
+
+    def __init__(self, config: EngineConfig) -> None:
         from inter_communicator.shm import sweep_stale
 
         self.config = config
@@ -67,59 +117,37 @@ class Server:
         config.ipc_dir = ipc_dir_for(config.instance_id)
         shutil.rmtree(config.ipc_dir, ignore_errors=True)
         os.makedirs(config.ipc_dir, mode=0o700)
-        self.addresses = EngineAddresses.in_dir(config.ipc_dir, config.dp_rank)
-        self.signals = InstanceSignals(config, create=True)
-        self.kvcache_lock = None
-        if envs.FD_USE_KVCACHE_LOCK:
-            from inter_communicator.kvcache_lock import KVCacheLock
-
-            self.kvcache_lock = KVCacheLock.create(config.instance_id, config.dp_rank, role="launch")
-        self.engine_proc: multiprocessing.process.BaseProcess | None = None
+        self.replicas = [EngineReplica(dataclasses.replace(config, dp_rank=rank)) for rank in local_dp_ranks(config)]
         self.engine_failed = False
 
-    def start_engine(self) -> None:
-        from engine.engine_process import run_engine
+    def start_engines(self) -> None:
+        for replica in self.replicas:
+            replica.start()
 
-        spawn = multiprocessing.get_context("spawn")
-        self.engine_proc = spawn.Process(target=run_engine, name="fdserve-engine", args=(self.config, self.addresses))
-        self.engine_proc.start()
+    def engines_alive(self) -> bool:
+        return all(r.alive() for r in self.replicas)
 
-    def engine_alive(self) -> bool:
-        return self.engine_proc is not None and self.engine_proc.is_alive()
-
-    def wait_engine_ready(self) -> None:
-        while not self.signals.engine_ready.value[0]:
-            if not self.engine_alive():
-                raise LaunchError(f"the engine process exited during start-up (code {self.engine_proc.exitcode}); "
-                                  "see the log above")
+    def wait_engines_ready(self) -> None:
+        while not all(r.ready() for r in self.replicas):
             time.sleep(0.1)
 
     def close(self) -> None:
         from inter_communicator.shm import sweep_stale
 
-        self._stop_engine()
-        self.signals.close()
-        self.signals.unlink()
-        if self.kvcache_lock is not None:
-            self.kvcache_lock.close()
-            self.kvcache_lock.unlink()
+        for replica in self.replicas:
+            replica.stop()
+        for child in multiprocessing.active_children():
+            child.kill()
         leftovers = sweep_stale(self.config.instance_id)
         if leftovers:
             logger.info("removed %d shared-memory names left by child processes", len(leftovers))
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
 
-    def _stop_engine(self) -> None:
-        proc = self.engine_proc
-        if proc is None or proc.exitcode is not None:
-            return
-        proc.terminate()  # SIGTERM: the engine stops its workers, then exits
-        proc.join(ENGINE_STOP_TIMEOUT_S)
-        if proc.is_alive():
-            logger.warning("engine did not stop in %.0f s; killing it", ENGINE_STOP_TIMEOUT_S)
-            proc.kill()
-            proc.join(2.0)
-        for child in multiprocessing.active_children():
-            child.kill()
+
+def local_dp_ranks(config: EngineConfig) -> range:
+    """The DP ranks this node hosts: an equal share of --data-parallel-size per node."""
+    per_node = config.dp_size // config.args.nnodes
+    return range(config.args.node_rank * per_node, (config.args.node_rank + 1) * per_node)
 
 
 def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
@@ -128,12 +156,14 @@ def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
 
 def serve_http(server: Server, config: EngineConfig) -> None:
     from engine.api_server import build_app, create_server
+    from engine.dp_router import DPRouter
     from engine.engine_client import EngineClient
     from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.args.model)
-    client = EngineClient(tokenizer, server.addresses.requests, server.addresses.outputs, server.signals,
-                          server.engine_alive)
+    clients = [EngineClient(tokenizer, r.addresses.requests, r.addresses.outputs, r.signals, r.alive)
+               for r in server.replicas]
+    client = clients[0] if len(clients) == 1 else DPRouter(clients, config.block_size)
     app = build_app(client, served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                     api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
     # Our own SIGINT/SIGTERM handlers: a graceful stop, then launch's finally-block cleanup.
@@ -156,9 +186,9 @@ def serve_http(server: Server, config: EngineConfig) -> None:
 
 
 async def _exit_when_engine_dies(server: Server, http) -> None:
-    while server.engine_alive():
+    while server.engines_alive():
         await asyncio.sleep(1.0)
-    logger.error("the engine process exited (code %s); shutting the server down", server.engine_proc.exitcode)
+    logger.error("an engine process exited; shutting the server down")
     server.engine_failed = True
     http.request_stop()
 
@@ -175,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = Server(config)
     try:
-        server.start_engine()
-        server.wait_engine_ready()
+        server.start_engines()
+        server.wait_engines_ready()
         serve_http(server, config)
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 
 import envs
@@ -42,6 +43,10 @@ class EngineArgs:
     file_backend_storage_dir: str | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,6 +85,14 @@ class EngineArgs:
                             help="engine replicas (each with its own workers, cache and lock) behind one API server")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="shard MoE experts across the data-parallel ranks' workers (one EP group)")
+        parser.add_argument("--nnodes", type=int, default=1,
+                            help="nodes sharing the DP ranks; each node runs its own launch.py and API server")
+        parser.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, --nnodes)")
+        parser.add_argument("--master-addr", default="127.0.0.1",
+                            help="address of node 0, where the expert-parallel group meets")
+        parser.add_argument("--master-port", type=int, default=None,
+                            help="port of the expert-parallel rendezvous (default: a free port on one node, "
+                                 "29500 with --nnodes > 1)")
         parser.add_argument("--file-backend-storage-dir", default=None,
                             help="directory of the file storage backend (default: FILE_BACKEND_STORAGE_DIR)")
         return parser
@@ -172,7 +185,10 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     num_cpu_blocks = int(args.swap_space * GIB // per_block)
     if args.swap_space < 0:
         raise ConfigError(f"--swap-space must be >= 0, got {args.swap_space}")
-    num_threads = args.num_threads or envs.FD_NUM_THREADS or envs.available_cores()
+    _validate_parallel(args)
+    local_ranks = args.data_parallel_size // args.nnodes
+    # Data-parallel ranks on one node split its cores (one compute thread per rank on 2 cores, DP 2).
+    num_threads = args.num_threads or envs.FD_NUM_THREADS or max(1, envs.available_cores() // local_ranks)
     instance_id = envs.FD_INSTANCE_ID or f"p{args.port}"
     return EngineConfig(
         args=args,
@@ -184,4 +200,24 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         num_threads=num_threads,
         instance_id=instance_id,
         dp_size=args.data_parallel_size,
+        ep_master_addr=args.master_addr,
+        ep_master_port=_ep_port(args),
     )
+
+
+def _validate_parallel(args: EngineArgs) -> None:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.data_parallel_size % args.nnodes:
+        raise ConfigError(f"--data-parallel-size {args.data_parallel_size} must be a multiple of "
+                          f"--nnodes {args.nnodes}")
+
+
+def _ep_port(args: EngineArgs) -> int:
+    if args.master_port is not None:
+        return args.master_port
+    if args.nnodes > 1:
+        return 29500
+    with socket.socket() as sock:  # one node: any free port, chosen once here and passed to every rank
+        sock.bind((args.master_addr, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,120 @@
+"""Data-parallel routing: one API server in front of N engine replicas.
+
+``DPRouter`` has the ``EngineClient`` interface, so the API server does not know
+how many ranks there are. A request goes to the rank that served the same
+prompt prefix before (its prefix cache is warm there) unless that rank is
+overloaded compared with the least loaded one; otherwise to the least loaded
+rank. Load is the number of requests a rank is working on.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import AsyncIterator
+
+from cache_manager.block_hash import ROOT_HASH, hash_block
+from engine.engine_client import EngineClient
+from engine.request import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class DPRouter:
+    def __init__(self, clients: list[EngineClient], block_size: int, affinity_slack: int = 4,
+                 max_remembered_prefixes: int = 65536) -> None:
+        if not clients:
+            raise ValueError("DPRouter needs at least one engine client")
+        self.clients = clients
+        self.tokenizer = clients[0].tokenizer
+        self.block_size = block_size
+        # A warm rank is preferred while it has at most this many more requests than the idlest rank.
+        self.affinity_slack = affinity_slack
+        self._prefix_owner: OrderedDict[str, int] = OrderedDict()
+        self._max_prefixes = max_remembered_prefixes
+        self._request_rank: dict[str, int] = {}
+
+    async def start(self) -> None:
+        for client in self.clients:
+            await client.start()
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    @property
+    def num_active_requests(self) -> int:
+        return sum(c.num_active_requests for c in self.clients)
+
+    def _prefix_key(self, prompt: list[int]) -> str | None:
+        """Hash of the prompt's first full block: the part most likely shared and cached."""
+        if len(prompt) < self.block_size:
+            return None
+        return hash_block(ROOT_HASH, prompt[: self.block_size], "router")
+
+    def choose_rank(self, prompt: list[int]) -> int:
+        loads = [c.num_active_requests for c in self.clients]
+        idlest = min(range(len(loads)), key=loads.__getitem__)
+        key = self._prefix_key(prompt)
+        owner = self._prefix_owner.get(key) if key else None
+        rank = owner if owner is not None and loads[owner] <= loads[idlest] + self.affinity_slack else idlest
+        if key:
+            self._prefix_owner[key] = rank
+            self._prefix_owner.move_to_end(key)
+            if len(self._prefix_owner) > self._max_prefixes:
+                self._prefix_owner.popitem(last=False)
+        return rank
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        rank = self.choose_rank(request.prompt_token_ids)
+        self._request_rank[request.request_id] = rank
+        try:
+            async for output in self.clients[rank].generate(request):
+                yield output
+        finally:
+            self._request_rank.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        rank = self._request_rank.get(request_id)
+        if rank is not None:
+            await self.clients[rank].abort(request_id)
+
+    async def control(self, command: str, timeout: float = 30.0) -> dict:
+        results = [await c.control(command, timeout) for c in self.clients]
+        merged: dict = {"ranks": results}
+        for result in results:
+            for name, value in result.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[name] = merged.get(name, 0) + value
+        return merged
+
+    def engine_stats(self) -> dict[str, int]:
+        """Every rank's shared-memory gauges, summed."""
+        total: dict[str, int] = {}
+        for client in self.clients:
+            for name, value in client.engine_stats().items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+    def ipc_identity(self) -> tuple[str, int]:
+        """(instance id, DP rank) of the first local rank (metrics attach its KV-cache lock)."""
+        return self.clients[0].ipc_identity()
+
+    def is_healthy(self) -> bool:
+        return self.health()["status"] == "ok"
+
+    def health(self) -> dict:
+        ranks = [c.health() for c in self.clients]
+        healthy = all(r["status"] == "ok" for r in ranks)
+        scheduler: dict = {}
+        for rank in ranks:
+            for name, value in rank.get("scheduler", {}).items():
+                scheduler[name] = scheduler.get(name, 0) + value
+        return {
+            "status": "ok" if healthy else "unhealthy",
+            "data_parallel_size": len(ranks),
+            "ranks": ranks,
+            "scheduler": scheduler,
+            "workers": [{**w, "dp_rank": dp} for dp, r in enumerate(ranks) for w in r["workers"]],
+            "cache_transfer": [{**t, "dp_rank": dp} for dp, r in enumerate(ranks) for t in r.get("cache_transfer", [])],
+            "active_requests": self.num_active_requests,
+        }
