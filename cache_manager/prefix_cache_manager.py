@@ -491,6 +491,8 @@ class PrefixCacheManager:
                 self.host_blocks[task.host_block_ids[i]].pinned -= 1
             elif not ok[i]:
                 self.stats.storage_miss_blocks += 1
+                # Gone from storage (evicted, corrupt, the store restarted): write it again next time.
+                self._stored.discard(hashes[i])
             block = self.blocks[block_id]
             block.transfer_id = None
             self._settle(block)

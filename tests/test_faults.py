@@ -129,3 +129,70 @@ def test_sigkill_of_a_lock_holder_does_not_deadlock_the_server():
                 holder.kill()
         stats = httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()
         assert stats["kvcache_lock"]["recoveries"] >= 1
+
+
+def _storage_stats(server: ServerProcess) -> dict:
+    return httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()
+
+
+def _mount(args: list[str]) -> None:
+    import subprocess
+
+    result = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"mount not permitted here: {result.stderr.strip()}")
+
+
+def _umount(path: str) -> None:
+    import subprocess
+
+    subprocess.run(["umount", path], capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_unwritable_file_storage_means_misses_not_failures(tmp_path, fault):
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    with ServerProcess("--block-size", "16", "--kvcache-storage-backend", "file",
+                       "--file-backend-storage-dir", str(storage)) as server:
+        try:
+            if fault == "read_only":
+                _mount(["--bind", str(storage), str(storage)])
+                _mount(["-o", "remount,bind,ro", str(storage)])
+            else:
+                _mount(["-t", "tmpfs", "-o", "size=64k", "tmpfs", str(storage)])
+            for entry in REFERENCE[:3]:
+                assert_reference_output(server, entry)
+            wait_until(lambda: _storage_stats(server)["transfers_in_flight"] == 0, 30, "write-backs to settle")
+            assert _storage_stats(server)["write_back_failed"] > 0
+            httpx.post(server.base_url + "/v1/cache/reset", timeout=30)
+            assert_reference_output(server, REFERENCE[1])  # nothing to reload: recomputed, still correct
+        finally:
+            _umount(str(storage))
+        assert "ERROR" in server.log_tail(400)
+
+
+def test_mooncake_master_restart_keeps_requests_succeeding():
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+    from tests.mooncake_utils import MooncakeMaster
+
+    master = MooncakeMaster().start()
+    try:
+        with ServerProcess("--block-size", "16", "--kvcache-storage-backend", "mooncake",
+                           env={"MOONCAKE_MASTER_SERVER_ADDR": master.address}) as server:
+            assert_reference_output(server, REFERENCE[0])
+            master.stop()
+            for entry in REFERENCE[1:3]:  # storage unreachable: misses, never failed requests
+                assert_reference_output(server, entry)
+            master = MooncakeMaster(rpc_port=master.rpc_port).start()
+            before = _storage_stats(server)["storage_hit_tokens"]
+
+            def stored_again() -> bool:
+                assert_reference_output(server, REFERENCE[3])  # written through once the client reconnected
+                httpx.post(server.base_url + "/v1/cache/reset", timeout=30)
+                assert_reference_output(server, REFERENCE[3])
+                return _storage_stats(server)["storage_hit_tokens"] > before
+
+            wait_until(stored_again, 90, "the Mooncake backend to reconnect and serve hits again")
+    finally:
+        master.stop()

@@ -4,12 +4,20 @@
 over the paged KV cache, samples the sequences that need a next token and
 returns a ``StepResult``. On CPU the KV cache is a POSIX shared-memory segment
 so the cache-transfer process can map the same bytes (ARCHITECTURE.md).
+With expert parallelism (DP+EP) the model holds only this rank's experts and every
+forward is a collective of the EP group; ``execute_dummy`` runs the one-token forward an
+idle rank contributes so the others' collectives complete. Its KV goes to a private
+one-block scratch cache, never to the shared pool: appending a block to the shared segment
+would change the strides of the [layers, 2, blocks, ...] layout the cache-transfer process
+maps with ``num_gpu_blocks``.
 Import this module only after the compute-thread variables are set.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import paddle
@@ -18,10 +26,13 @@ from engine.config import EngineConfig
 from inter_communicator.messages import StepBatch, StepResult
 from cache_manager.kv_layout import device_cache_segment
 from inter_communicator.shm import SharedArray
-from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views
+from worker.attention import AttentionMetadata, build_attention_metadata, kv_cache_shape, kv_cache_views
 from worker.loader import load_weights
 from worker.models import get_model_class
 from worker.sampler import Sampler, SamplingError
+
+if TYPE_CHECKING:
+    from worker.expert_parallel import DataParallelExpertParallel
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +41,33 @@ def kv_cache_segment_name(config: EngineConfig, tp_rank: int) -> str:
     return device_cache_segment(config.instance_id, config.dp_rank, tp_rank)
 
 
+@dataclass
+class PreparedStep:
+    """A step's device inputs, built on the host before the forward (no collective involved)."""
+
+    batch: StepBatch
+    input_ids: paddle.Tensor
+    positions: paddle.Tensor
+    meta: AttentionMetadata
+    started: float
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, ep: DataParallelExpertParallel | None = None) -> None:
+        """``ep``: this rank's expert-parallel handle (``worker.expert_parallel``), None without EP."""
         self.config = config
         self.tp_rank = tp_rank
         self.block_size = config.block_size
+        self.ep = ep
         self.model = self._load_model()
         shape = kv_cache_shape(config.model_config, config.num_gpu_blocks, self.block_size)
         self.kv_segment = SharedArray(kv_cache_segment_name(config, tp_rank), shape, np.float32, create=True)
         self.kv_caches = kv_cache_views(self.kv_segment.array)
+        self._scratch_kv: np.ndarray | None = None
+        self._scratch_kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]] = []
+        if ep is not None:
+            self._scratch_kv = np.zeros(kv_cache_shape(config.model_config, 1, self.block_size), dtype=np.float32)
+            self._scratch_kv_caches = kv_cache_views(self._scratch_kv)
         self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in shared memory %s",
                     config.num_gpu_blocks, self.block_size, self.kv_segment.array.nbytes / 2**20,
@@ -46,7 +75,9 @@ class ModelRunner:
 
     def _load_model(self) -> paddle.nn.Layer:
         model_config = self.config.model_config
-        model = get_model_class(model_config.architecture)(model_config)
+        model_class = get_model_class(model_config.architecture)
+        model = model_class(model_config) if self.ep is None else model_class(model_config, ep=self.ep)
+        # The MoE model keeps only its local experts' tensors; the others are dropped with this dict.
         model.load_weights(load_weights(model_config))
         model.eval()
         return model
@@ -54,6 +85,11 @@ class ModelRunner:
     @paddle.no_grad()
     def execute_model(self, batch: StepBatch) -> StepResult:
         """Run one engine step: forward every scheduled token, sample where asked."""
+        step = self.prepare_step(batch)
+        return self.sample_step(step, self.forward(step))
+
+    def prepare_step(self, batch: StepBatch) -> PreparedStep:
+        """Host-side inputs and attention metadata; raises ValueError on an inconsistent batch."""
         started = time.perf_counter()
         input_ids, positions = self._flatten_inputs(batch)
         meta = build_attention_metadata(
@@ -62,11 +98,29 @@ class ModelRunner:
             block_tables=[s.block_table for s in batch.seqs],
             block_size=self.block_size,
         )
-        hidden = self.model(paddle.to_tensor(input_ids), paddle.to_tensor(positions), self.kv_caches, meta)
-        result = StepResult(step_id=batch.step_id)
-        self._sample(batch, hidden, result)
-        result.execute_seconds = time.perf_counter() - started
+        return PreparedStep(batch, paddle.to_tensor(input_ids), paddle.to_tensor(positions), meta, started)
+
+    @paddle.no_grad()
+    def forward(self, step: PreparedStep) -> paddle.Tensor:
+        """The model forward over the shared KV cache (a collective of the EP group under EP)."""
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+
+    @paddle.no_grad()
+    def sample_step(self, step: PreparedStep, hidden: paddle.Tensor) -> StepResult:
+        result = StepResult(step_id=step.batch.step_id)
+        self._sample(step.batch, hidden, result)
+        result.execute_seconds = time.perf_counter() - step.started
         return result
+
+    @paddle.no_grad()
+    def execute_dummy(self) -> None:
+        """A one-token forward into the private scratch block, output discarded (EP idle ranks)."""
+        if self.ep is None:
+            raise RuntimeError("execute_dummy is only for expert-parallel workers")
+        meta = build_attention_metadata(query_lens=[1], context_lens=[1], block_tables=[[0]],
+                                        block_size=self.block_size)
+        token = paddle.to_tensor(np.zeros(1, dtype=np.int64))
+        self.model(token, meta.positions, self._scratch_kv_caches, meta)
 
     @staticmethod
     def _flatten_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -110,5 +164,6 @@ class ModelRunner:
 
     def close(self) -> None:
         self.kv_caches = []
+        self._scratch_kv_caches = []
         self.kv_segment.close()
         self.kv_segment.unlink()

@@ -3,6 +3,24 @@
 The worker blocks on its ZMQ socket (never spins), beats a heartbeat in shared
 memory while idle or busy, exits when the engine says so, on SIGINT/SIGTERM, or
 when its parent dies.
+
+Expert parallelism (``--enable-expert-parallel`` with ``dp_size > 1``): the workers of all
+DP ranks form one EP group and every MoE layer is a collective, so they step in lockstep.
+Each round a worker polls its batch socket briefly, then all ranks all_reduce(max)
+``[has_batch, stop_requested]``. If any rank has a batch every rank runs a forward (an idle
+rank a one-token dummy into a private scratch block, output discarded); if any rank wants to
+stop, all exit together, so no rank is left waiting in a collective. Idle rounds back off the
+poll from ``EP_IDLE_POLL_MIN_MS`` to ``EP_IDLE_POLL_MAX_MS``: the first step after an idle
+period waits up to that long (50 ms) for the slowest rank's poll to end. A rank that just
+ran a real step waits up to ``EP_NEXT_BATCH_POLL_MS`` for its engine's next batch, so a busy
+rank does not miss a round (and run a dummy) because its engine is a millisecond late. A
+collective that fails (a peer died, or hung past gloo's 30 s timeout) ends the worker with
+exit code ``EP_FAILURE_EXIT_CODE`` and a log line saying so.
+
+The KV-cache lock stays per DP rank and is held around the forward, also while the forward
+waits for other ranks inside a collective: no other rank ever waits for this rank's lock,
+and this rank's cache-transfer process waits for nothing across ranks, so there is no cycle.
+The dummy forward touches only private memory and does not take the lock.
 """
 from __future__ import annotations
 
@@ -26,16 +44,26 @@ from inter_communicator.process_utils import ParentWatcher, install_shutdown_han
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
+# Lockstep (EP) polling; see the module docstring for the latency each adds.
+EP_NEXT_BATCH_POLL_MS = 20
+EP_IDLE_POLL_MIN_MS = 1
+EP_IDLE_POLL_MAX_MS = 50
+EP_FAILURE_EXIT_CODE = 3
 
 
 class Worker:
     def __init__(self, config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
-        from worker.model_runner import ModelRunner  # imports paddle: only after the thread variables are set
+        # Both import paddle: only after the thread variables are set.
+        from worker.expert_parallel import build_expert_parallel, expert_parallel_enabled
+        from worker.model_runner import ModelRunner
 
         self.config = config
         self.tp_rank = tp_rank
         self.stop_event = threading.Event()
-        self.runner = ModelRunner(config, tp_rank)
+        # Not connected yet: the rendezvous happens in serve(), after every rank loaded its model,
+        # so a slow loader never meets a collective's timeout.
+        self.ep = build_expert_parallel(config) if expert_parallel_enabled(config) else None
+        self.runner = ModelRunner(config, tp_rank, ep=self.ep)
         self.signals = InstanceSignals(config, create=False)
         # Only TP rank 0 takes the lock: the other ranks would otherwise deadlock in collectives.
         self.kvcache_lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="worker",
@@ -48,13 +76,18 @@ class Worker:
         self.result_socket = self.zmq_context.socket(zmq.PUSH)
         self.result_socket.connect(result_addr)
 
-    def execute_model(self, batch: StepBatch) -> StepResult:
-        """One engine step on this rank (the single entry point the engine drives)."""
+    def _sanitize(self, batch: StepBatch) -> tuple[StepBatch, dict[str, str]]:
+        """The batch without the sequences the sanitizer refuses, and their error messages."""
         violations: dict[str, str] = {}
         if self.sanitizer is not None:
             violations = self.sanitizer.check(batch)
             if violations:
                 batch = StepBatch(batch.step_id, [s for s in batch.seqs if s.request_id not in violations])
+        return batch, violations
+
+    def execute_model(self, batch: StepBatch) -> StepResult:
+        """One engine step on this rank (the single entry point the engine drives)."""
+        batch, violations = self._sanitize(batch)
         try:
             with self.kvcache_lock.hold("execute_model"):
                 result = self.runner.execute_model(batch) if batch.seqs else StepResult(batch.step_id)
@@ -66,8 +99,16 @@ class Worker:
             return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
 
     def serve(self) -> None:
+        if self.ep is not None:
+            self.ep.group.connect()
         self.signals.worker_ready.value[self.tp_rank] = 1
         logger.info("worker ready")
+        if self.ep is not None:
+            self._serve_lockstep()
+        else:
+            self._serve_single()
+
+    def _serve_single(self) -> None:
         poller = zmq.Poller()
         poller.register(self.batch_socket, zmq.POLLIN)
         while not self.stop_event.is_set():
@@ -80,7 +121,98 @@ class Worker:
                 break
             self.result_socket.send_pyobj(self.execute_model(message))
 
+    # ---- expert parallelism: lockstep stepping ----------------------------------------
+
+    def _serve_lockstep(self) -> None:
+        """The EP loop: one agreement collective per round, then a forward on every rank or none."""
+        group = self.ep.group
+        poller = zmq.Poller()
+        poller.register(self.batch_socket, zmq.POLLIN)
+        idle_poll_ms = EP_IDLE_POLL_MIN_MS
+        ran_batch = False
+        while True:
+            self.signals.worker_heartbeat.value[self.tp_rank] = time.time()
+            message = None
+            if poller.poll(EP_NEXT_BATCH_POLL_MS if ran_batch else idle_poll_ms):
+                message = self.batch_socket.recv_pyobj()
+            shutdown = isinstance(message, WorkerShutdown)
+            if shutdown:
+                logger.info("shutdown requested by the engine: %s; stopping the EP group", message.reason)
+            batch = message if isinstance(message, StepBatch) else None
+            runnable, violations = self._sanitize(batch) if batch is not None else (None, {})
+            has_batch = runnable is not None and bool(runnable.seqs)
+            flags = group.step_flags(has_batch, shutdown or self.stop_event.is_set())
+            if flags.any_stop:
+                if batch is not None:
+                    self._fail_batch(batch, "the worker is stopping (an expert-parallel rank requested shutdown)")
+                logger.info("EP group stopping together (requested by %s)",
+                            "this rank" if shutdown or self.stop_event.is_set() else "another rank")
+                return
+            ran_batch = False
+            if not flags.any_batch:
+                idle_poll_ms = min(2 * idle_poll_ms, EP_IDLE_POLL_MAX_MS)
+                if batch is not None:
+                    self.result_socket.send_pyobj(StepResult(batch.step_id, errors=violations))
+                continue
+            idle_poll_ms = EP_IDLE_POLL_MIN_MS
+            if has_batch:
+                self.result_socket.send_pyobj(self._execute_lockstep(runnable, violations))
+                ran_batch = True
+            else:
+                self.runner.execute_dummy()
+                if batch is not None:
+                    self.result_socket.send_pyobj(StepResult(batch.step_id, errors=violations))
+
+    def _execute_lockstep(self, batch: StepBatch, violations: dict[str, str]) -> StepResult:
+        """One real step in an EP round; joins exactly one forward's collectives whatever fails.
+
+        A bad batch fails its requests and this rank runs the dummy forward instead. A failure
+        inside the forward after this rank entered a collective leaves the ranks out of step:
+        that is fatal (EPCommunicationError), the whole group restarts.
+        """
+        from worker.expert_parallel import EPCommunicationError
+
+        try:
+            step = self.runner.prepare_step(batch)
+        except Exception as exc:
+            logger.exception("step %d: could not prepare the batch; running a dummy forward instead", batch.step_id)
+            self.runner.execute_dummy()
+            return self._error_result(batch, exc, violations)
+        group = self.ep.group
+        collectives_before = group.num_collectives
+        try:
+            with self.kvcache_lock.hold("execute_model"):
+                hidden = self.runner.forward(step)
+        except EPCommunicationError:
+            raise
+        except Exception as exc:
+            if group.num_collectives != collectives_before:
+                raise EPCommunicationError(
+                    f"step {batch.step_id}: the forward failed after joining the EP group's collectives "
+                    f"({type(exc).__name__}: {exc}); the ranks are out of step") from exc
+            logger.exception("step %d: forward failed before any collective; running a dummy forward instead",
+                             batch.step_id)
+            self.runner.execute_dummy()
+            return self._error_result(batch, exc, violations)
+        try:
+            result = self.runner.sample_step(step, hidden)
+        except Exception as exc:  # sampling is local: a bad step fails its requests, not the worker
+            logger.exception("step %d: sampling failed", batch.step_id)
+            return self._error_result(batch, exc, violations)
+        result.errors.update(violations)
+        return result
+
+    @staticmethod
+    def _error_result(batch: StepBatch, exc: Exception, violations: dict[str, str]) -> StepResult:
+        message = f"worker error during execute_model: {type(exc).__name__}: {exc}"
+        return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
+
+    def _fail_batch(self, batch: StepBatch, reason: str) -> None:
+        self.result_socket.send_pyobj(StepResult(batch.step_id, errors={s.request_id: reason for s in batch.seqs}))
+
     def close(self) -> None:
+        if self.ep is not None:
+            self.ep.group.close()
         self.signals.worker_ready.value[self.tp_rank] = 0
         self.batch_socket.close(linger=0)
         self.result_socket.close(linger=0)
@@ -147,20 +279,28 @@ def tune_malloc() -> None:
 def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
     """Process entry point (multiprocessing spawn target)."""
     set_parent_death_signal()
-    setup_logging("worker", tp_rank)
+    setup_logging("worker" if config.dp_size == 1 else f"worker.dp{config.dp_rank}", tp_rank)
     envs.apply_compute_thread_env(config.num_threads)
     # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.
     tqdm.set_lock(threading.RLock())
     tune_malloc()
+    from worker.expert_parallel import EPCommunicationError  # imports paddle: after the thread variables
+
     worker = None
     stop_event = threading.Event()
     install_shutdown_handlers(stop_event.set)
     ParentWatcher(callback=stop_event.set).start()
+    failed = False
     try:
         worker = Worker(config, tp_rank, batch_addr, result_addr)
         worker.stop_event = stop_event
         worker.serve()
+    except EPCommunicationError as exc:
+        logger.error("expert-parallel group failed, worker exiting with code %d: %s", EP_FAILURE_EXIT_CODE, exc)
+        failed = True
     finally:
         if worker is not None:
             worker.close()
         logger.info("worker exited")
+    if failed:
+        raise SystemExit(EP_FAILURE_EXIT_CODE)

@@ -15,11 +15,21 @@ parallelism) without touching the maths:
    never over tokens);
 4. ``combine``: scatter-add the weighted rows back into token order.
 
-With ``ep=None`` every expert is local. With an ``ExpertParallel`` group, each rank
-holds only ``ep.local_expert_ids``, produces a partial output, and
-``ep.all_reduce_sum`` adds the partials of all ranks. Every rank must hold the same
-tokens (attention replicated); the shared expert is replicated and added after the
-reduction so it is counted once.
+Three ways to run, chosen by the ``ep`` given at construction:
+
+- ``ep=None``: single process, every expert local;
+- an ``ExpertParallel``: every rank holds the *same* tokens (attention replicated) and only
+  ``ep.local_expert_ids``; it produces a partial output and ``ep.all_reduce_sum`` adds the
+  partials of all ranks;
+- a ``TokenExchangeExpertParallel`` (DP+EP, ``worker.expert_parallel``): every rank holds
+  *different* tokens. ``ep.begin_forward`` runs once per forward; per sparse layer each rank
+  routes its own tokens, ``ep.dispatch_tokens`` brings it the (token, routing) rows its local
+  experts must process, and ``ep.combine_outputs`` turns their partial outputs back into this
+  rank's tokens' summed outputs. Every call is a collective: all ranks must run the same
+  number of forwards (the worker's lockstep loop).
+
+The shared expert (Qwen2-MoE) is replicated and applied to the rank's own tokens after the
+reduction, so it is counted once.
 
 Float32 only.
 """
@@ -27,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import paddle
@@ -52,6 +62,30 @@ class ExpertParallel(Protocol):
     local_expert_ids: list[int]
 
     def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor: ...
+
+
+@runtime_checkable
+class TokenExchangeExpertParallel(Protocol):
+    """The DP+EP group a MoE model runs in when every rank holds different tokens.
+
+    ``begin_forward(num_tokens)``: called once at the start of every forward on every rank.
+    ``dispatch_tokens(hidden, topk_ids, topk_weights)``: the rows ``(hidden [N, H], topk_ids
+    [N, k'] int64, topk_weights [N, k'])`` this rank's experts must process, gathered from all
+    ranks; ids of experts this rank does not hold are ignored.
+    ``combine_outputs(outputs)``: from the local experts' weighted outputs for those N rows
+    ([N, H], zero where no local expert ran), the summed expert output of this rank's own
+    tokens ([T, H]).
+    """
+
+    local_expert_ids: list[int]
+
+    def begin_forward(self, num_tokens: int) -> None: ...
+
+    def dispatch_tokens(
+        self, hidden: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]: ...
+
+    def combine_outputs(self, outputs: paddle.Tensor) -> paddle.Tensor: ...
 
 
 @dataclass
@@ -171,11 +205,14 @@ def _swiglu_mlp(hidden: paddle.Tensor, mlp: ExpertWeights) -> paddle.Tensor:
 class MoEForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE / Qwen2-MoE decoder: Llama-family attention, sparse MoE (or dense) MLP per layer."""
 
-    def __init__(self, config: ModelConfig, ep: ExpertParallel | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, ep: ExpertParallel | TokenExchangeExpertParallel | None = None
+    ) -> None:
         if config.num_experts <= 0:
             raise ValueError(f"{config.architecture!r} config has no experts (num_experts={config.num_experts})")
         super().__init__(config)
         self.ep = ep
+        self._exchanges_tokens = isinstance(ep, TokenExchangeExpertParallel)
         # Fixed at construction: load_weights keeps only these experts' weights.
         self.local_expert_ids = _local_expert_ids(config, ep)
         self._sparse: list[SparseMoeWeights | None] = []  # per layer; None for a dense-MLP layer
@@ -249,6 +286,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         """Final-norm hidden states [T, hidden] of a flattened varlen batch of T new tokens."""
         self._check_step(input_ids, kv_caches, meta)
         num_tokens = input_ids.shape[0]
+        if self._exchanges_tokens:
+            self.ep.begin_forward(num_tokens)
         rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
         cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
         sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand(rotated_shape)
@@ -271,10 +310,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         """The MoE block's output [T, hidden] for normed hidden states [T, hidden]."""
         config = self.config
         topk_ids, topk_weights = route(hidden, block.router, config.num_experts_per_tok, config.norm_topk_prob)
+        if self._exchanges_tokens:
+            tokens, topk_ids, topk_weights = self.ep.dispatch_tokens(hidden, topk_ids, topk_weights)
+        else:
+            tokens = hidden
         plan = dispatch(topk_ids, config.num_experts)
-        partial = compute_experts(hidden, topk_weights, plan, block.experts)
-        output = combine(hidden.shape[0], config.hidden_size, partial)
-        if self.ep is not None:
+        partial = compute_experts(tokens, topk_weights, plan, block.experts)
+        output = combine(tokens.shape[0], config.hidden_size, partial)
+        if self._exchanges_tokens:
+            output = self.ep.combine_outputs(output)
+        elif self.ep is not None:
             output = self.ep.all_reduce_sum(output)
         if block.shared_expert is not None:
             gate = F.sigmoid(paddle.matmul(hidden, block.shared_expert_gate))
@@ -300,7 +345,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             )
 
 
-def _local_expert_ids(config: ModelConfig, ep: ExpertParallel | None) -> list[int]:
+def _local_expert_ids(
+    config: ModelConfig, ep: ExpertParallel | TokenExchangeExpertParallel | None
+) -> list[int]:
     if ep is None:
         return list(range(config.num_experts))
     ids = [int(expert) for expert in ep.local_expert_ids]
