@@ -65,13 +65,18 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
+        self.launch()
+        self.wait_healthy()
+        return self
+
+    def launch(self) -> "ServerProcess":
+        """Start launch.py without waiting for it to become healthy."""
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO_ROOT / "launch.py"), "--port", str(self.port), *self.args],
             cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
-        self.wait_healthy()
         return self
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:

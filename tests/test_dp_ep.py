@@ -73,3 +73,26 @@ def test_dp_ep_with_storage_cache_under_pressure_matches_no_cache(tiny_moe, base
         stats = httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()
     assert first == expected and second == expected
     assert stats["storage_hit_tokens"] > 0 and stats["swap_out_blocks"] > 0, stats
+
+
+def test_two_nodes_as_separate_launches_form_one_ep_group(tiny_moe, baseline):
+    """The multi-node shape on one host: each "node" is its own launch.py hosting one DP rank."""
+    from tests.server_utils import free_port
+
+    prompts, expected = baseline
+    master_port = str(free_port())
+    common = ("--model", tiny_moe, "--data-parallel-size", "2", "--enable-expert-parallel", "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--master-port", master_port)
+    nodes = [ServerProcess(*common, "--node-rank", str(rank)) for rank in range(2)]
+    try:
+        for node in nodes:
+            node.launch()  # both must be up before either can finish start-up (they meet in the EP group)
+        for node in nodes:
+            node.wait_healthy()
+        half = len(prompts) // 2
+        got = complete_all(nodes[0], prompts[:half]) + complete_all(nodes[1], prompts[half:])
+    finally:
+        for node in nodes:
+            node.stop()
+            node.kill_group()
+    assert got == expected
