@@ -218,8 +218,12 @@ class Engine:
 
     def _fail_running(self, reason: str) -> None:
         self.scheduler.discard_inflight()
+        self._fail(list(self.scheduler.running), reason)
+
+    def _fail(self, seqs: list[Sequence], reason: str) -> None:
+        """Abort ``seqs`` and tell the API server each one ended with ``reason``."""
         outputs = []
-        for seq in list(self.scheduler.running):
+        for seq in seqs:
             self.scheduler.abort(seq.request_id)
             outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
                                          num_prompt_tokens=seq.num_prompt_tokens, error=reason))
@@ -395,12 +399,7 @@ class Engine:
     def fail_all(self, reason: str) -> None:
         """Finish every known request with an error (the engine cannot go on)."""
         self._fail_running(reason)
-        outputs = []
-        for seq in list(self.scheduler.waiting):
-            self.scheduler.abort(seq.request_id)
-            outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
-                                         num_prompt_tokens=seq.num_prompt_tokens, error=reason))
-        self._send_outputs(outputs)
+        self._fail(list(self.scheduler.waiting), reason)
 
     def close(self) -> None:
         self.signals.engine_ready.value[0] = 0

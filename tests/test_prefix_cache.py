@@ -148,11 +148,12 @@ def test_failed_prefetch_recomputes_from_the_first_missing_block():
     cache.on_transfer_done(TransferDone(task.task_id, "prefetch", ok=[True, False, True]))
     assert b.num_computed_tokens == BS and b.num_cached_tokens == BS
     assert cache.stats.storage_miss_blocks == 1
-    # Only the verified prefix is shared from the device; the rest is fetched again.
+    # Only the verified prefix is shared; the missing block is no longer believed stored,
+    # so nothing after it is fetched and it is written again once recomputed.
     c = seq("c", PROMPT)
     cache.admit(c)
-    assert c.block_table[0] == b.block_table[0] and c.block_table[1] != b.block_table[1]
-    assert cache.is_loading(c)
+    assert c.block_table == b.block_table[:1] and c.num_computed_tokens == BS
+    assert not cache.is_loading(c)
 
 
 def test_fill_of_an_aborted_request_keeps_its_blocks_quarantined():
