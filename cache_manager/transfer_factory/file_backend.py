@@ -45,6 +45,8 @@ from cache_manager.transfer_factory.base import (
     verify_payload,
 )
 
+from inter_communicator.process_utils import process_alive
+
 logger = logging.getLogger(__name__)
 
 _OBJECT_SUFFIX = ".kv"
@@ -318,10 +320,4 @@ def _writer_alive(temp_name: str) -> bool:
         pid = int(parts[-3])
     except (IndexError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+    return process_alive(pid, None)
