@@ -34,9 +34,10 @@ setup(
         "uvicorn",
         "pydantic>=2",
         "tqdm",
+        "prometheus-client",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai", "httpx", "aiohttp"],
+        "test": ["pytest", "pytest-timeout", "openai", "httpx", "aiohttp", "hypothesis"],
         "bench": ["aiohttp"],
     },
     entry_points={"console_scripts": ["fdserve=launch:main"]},

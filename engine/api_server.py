@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, request flow, streaming, errors.
 
-Owns: ``build_app`` (the ASGI app: ``/health``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``), the per-request flow (read body -> validate -> tokenize -> check
-lengths -> ``EngineClient.generate`` -> detokenize + stop strings -> JSON or SSE), the rule
-that a request whose consumer goes away (client disconnect, stop string) is aborted in the
-engine, and ``run_server`` (uvicorn). Every client mistake is a 4xx with the OpenAI error body;
-a 5xx means the engine or this server failed.
+Owns: ``build_app`` (the ASGI app: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``; the metric definitions live in ``engine.metrics``), the per-request
+flow (read body -> validate -> tokenize -> check lengths -> ``EngineClient.generate`` ->
+detokenize + stop strings -> JSON or SSE), the rule that a request whose consumer goes away
+(client disconnect, stop string) is aborted in the engine, and ``run_server`` (uvicorn). Every
+client mistake is a 4xx with the OpenAI error body; a 5xx means the engine or this server failed.
+``/health`` and ``/metrics`` are reachable without the API key.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 import envs
 from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.metrics import METRICS_CONTENT_TYPE, HTTPMetricsMiddleware, RequestRecorder, ServerMetrics
 from engine.protocol import (SERVER_ERROR, SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
                              GenerationRequest, chat_completion_chunk, chat_completion_response, completion_chunk,
                              completion_response, error_body, model_card, model_list, sse_event, to_json, usage,
@@ -73,9 +75,10 @@ class _Generation:
     """
 
     def __init__(self, engine: EngineClient, engine_request: EngineRequest, stop: list[str],
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, recorder: RequestRecorder | None = None) -> None:
         self._engine = engine
         self._request = engine_request
+        self._recorder = recorder
         self._detokenizer = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop_checker = StopChecker(stop) if stop else None
         self.completion_tokens = 0
@@ -89,6 +92,7 @@ class _Generation:
         if inspect.isawaitable(outputs):
             outputs = await outputs
         engine_finished = False
+        raised = False
         try:
             async for output in outputs:
                 engine_finished = output.finished
@@ -100,7 +104,12 @@ class _Generation:
             if self.finish_reason is None:
                 self._fail("the engine stopped sending outputs before the request finished")
                 yield "", [], self.finish_reason
+        except Exception:
+            raised = True
+            raise
         finally:
+            if self._recorder is not None:
+                self._recorder.finish("error" if raised else self.finish_reason)
             await self._release(outputs, engine_finished)
 
     def _consume(self, output: RequestOutput) -> tuple[str, list[int]]:
@@ -110,6 +119,8 @@ class _Generation:
         self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
         token_ids = output.new_token_ids
         self.completion_tokens += len(token_ids)
+        if token_ids and self._recorder is not None:
+            self._recorder.on_tokens(len(token_ids))
         text = self._detokenizer.add(token_ids) if token_ids else ""
         if output.finished:
             text += self._detokenizer.flush()
@@ -162,7 +173,7 @@ class _OpenAIServing:
     """State and handlers behind the routes of ``build_app``."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_model_len: int,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, metrics: ServerMetrics | None = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if max_request_bytes < 1:
@@ -171,6 +182,7 @@ class _OpenAIServing:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
         self.created = int(time.time())
 
     @property
@@ -289,23 +301,29 @@ class _OpenAIServing:
     # -- handlers
 
     async def completions(self, request: Request) -> Response:
+        started = time.perf_counter()
         parsed = CompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
         prompt_token_ids = await self.completion_prompt(parsed)
         prepared = self.prepare(parsed, prompt_token_ids, "cmpl", "prompt")
-        return await self._respond(request, prepared, chat=False)
+        return await self._respond(request, prepared, chat=False, started=started)
 
     async def chat_completions(self, request: Request) -> Response:
+        started = time.perf_counter()
         parsed = ChatCompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
         prompt_token_ids = await self.chat_prompt(parsed)
         prepared = self.prepare(parsed, prompt_token_ids, "chatcmpl", "messages")
-        return await self._respond(request, prepared, chat=True)
+        return await self._respond(request, prepared, chat=True, started=started)
 
-    async def _respond(self, request: Request, prepared: _Prepared, chat: bool) -> Response:
+    async def _respond(self, request: Request, prepared: _Prepared, chat: bool, started: float) -> Response:
         parsed = prepared.parsed
+        recorder = None
+        if self.metrics is not None:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            recorder = self.metrics.start_request(endpoint, len(prepared.prompt_token_ids), started)
         generation = _Generation(self.engine, prepared.engine_request, parsed.stop_strings,
-                                 skip_special_tokens=bool(parsed.skip_special_tokens))
+                                 skip_special_tokens=bool(parsed.skip_special_tokens), recorder=recorder)
         if parsed.stream:
             events = self._stream_events(prepared, generation, chat)
             return _SSEResponse(events, media_type="text/event-stream",
@@ -454,22 +472,47 @@ class _SSEResponse(StreamingResponse):
 
 
 def build_app(engine: EngineClient, served_model_name: str, max_model_len: int, api_key: str | None = None,
-              max_request_bytes: int | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, instance_id: str | None = None,
+              dp_rank: int | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
-    ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``.
+    ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``;
+    ``/health`` and ``/metrics`` (Prometheus text format) stay reachable without it.
     ``max_request_bytes``: largest accepted body (413 beyond); default ``envs.FD_MAX_REQUEST_BYTES``.
+    ``instance_id``/``dp_rank``: the engine's IPC namespace (for the kvcache lock counters in
+    ``/metrics``); default: read from the engine client's shared-memory names.
     """
     limit = envs.FD_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
-    serving = _OpenAIServing(engine, served_model_name, max_model_len, limit)
-    app = FastAPI(title="fdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    if instance_id is None or dp_rank is None:
+        known_instance, known_rank = engine.ipc_identity()
+        instance_id = known_instance if instance_id is None else instance_id
+        dp_rank = known_rank if dp_rank is None else dp_rank
+    metrics = ServerMetrics(served_model_name, engine, instance_id=instance_id, dp_rank=dp_rank)
+    serving = _OpenAIServing(engine, served_model_name, max_model_len, limit, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            metrics.close()
+
+    app = FastAPI(title="fdserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.serving = serving
+    app.state.metrics = metrics
     _add_error_handlers(app)
     _add_auth(app, api_key)
+    # Added last, so outermost: it also counts the API-key check's 401s.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
         return await serving.health()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus scrape target (not behind the API key: counters only, no request content)."""
+        return Response(await metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/v1/cache/reset")
     async def reset_prefix_cache() -> Response:

@@ -76,6 +76,18 @@ class EngineClient:
     def num_active_requests(self) -> int:
         return len(self._queues)
 
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's gauges from shared memory, by ``ENGINE_STATS`` name (read without a message)."""
+        return self._signals.stats()
+
+    def ipc_identity(self) -> tuple[str, int]:
+        """(instance id, DP rank) of the engine, for attaching its other IPC objects (the kvcache lock)."""
+        # Names are fd.<instance>.<name>.<rank> and no part may contain a dot (shm.ipc_name).
+        parts = self._signals.engine_stats.shm_name.split(".")
+        if len(parts) != 4 or parts[0] != "fd" or not parts[3].isdigit():
+            raise ValueError(f"unexpected IPC name {self._signals.engine_stats.shm_name!r}")
+        return parts[1], int(parts[3])
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self._engine_alive():
             raise EngineDeadError("the engine process is not running")
