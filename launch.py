@@ -165,7 +165,8 @@ def serve_http(server: Server, config: EngineConfig) -> None:
                for r in server.replicas]
     client = clients[0] if len(clients) == 1 else DPRouter(clients, config.block_size)
     app = build_app(client, served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                    api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
+                    api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES,
+                    instance_id=config.instance_id, dp_rank=server.replicas[0].config.dp_rank)
     # Our own SIGINT/SIGTERM handlers: a graceful stop, then launch's finally-block cleanup.
     http = create_server(app, config.args.host, config.args.port, handle_signals=False, timeout_graceful_shutdown=3)
 
