@@ -128,6 +128,7 @@ class PrefixCacheManager:
         self._task_hashes: dict[int, list[str]] = {}
         self._plans: dict[int, LoadPlan] = {}  # task id -> plan waiting for it
         self._plans_by_seq: dict[str, LoadPlan] = {}
+        self._num_swapping_out = 0
         self.stats = CacheStats()
 
     # ---- capacity -----------------------------------------------------------------
@@ -346,7 +347,9 @@ class PrefixCacheManager:
         target = int(self.num_blocks * self.config.offload_watermark)
         candidates: list[DeviceBlock] = []
         for block_id in self._cached_lru:
-            if len(self._free) + len(candidates) >= target:
+            # Blocks already on their way to the host count as free: without this, a slow copy (e.g. one
+            # waiting for the KV-cache lock) makes every iteration pick more victims.
+            if len(self._free) + self._num_swapping_out + len(candidates) >= target:
                 break
             block = self.blocks[block_id]
             if block.transfer_id is None:
@@ -375,6 +378,7 @@ class PrefixCacheManager:
             self.host_blocks[host_id].pinned += 1
         task = self._new_task("swap_out", [b.block_id for b, _ in pairs], host=[h for _, h in pairs])
         self.stats.swap_out_blocks += len(pairs)
+        self._num_swapping_out += len(pairs)
         self._issue(task, hashes, BlockState.SWAP_OUT, None)
 
     def _take_host_block(self) -> int | None:
@@ -472,6 +476,7 @@ class PrefixCacheManager:
                                                error="cache transfer process died"))
 
     def _swap_out_done(self, task: TransferTask, hashes: list[str], ok: list[bool]) -> None:
+        self._num_swapping_out -= len(task.device_block_ids)
         for block_id, host_id, block_hash, success in zip(task.device_block_ids, task.host_block_ids, hashes, ok):
             host = self.host_blocks[host_id]
             host.pinned -= 1

@@ -231,3 +231,17 @@ def test_scheduler_does_not_run_a_request_while_its_blocks_load():
     assert batch.seqs[0].token_ids == PROMPT[12:] and batch.seqs[0].context_len == 14
     out = sched.update(StepResult(batch.step_id, sampled_token_ids={"b": 9}))[0]
     assert out.num_cached_tokens == 12
+
+
+def test_offload_counts_blocks_already_moving_to_the_host():
+    cache, log, _ = manager(num_blocks=8, num_cpu_blocks=8, watermark=0.5)  # keep 4 blocks free
+    hog = seq("hog", list(range(600, 624)))  # 6 blocks, all cached once freed
+    run_prefill(cache, hog)
+    cache.free(hog)
+    filler = seq("filler", list(range(700, 708)))
+    cache.allocate(filler, 8)  # takes the 2 never-used blocks: 0 free, 5 cached (+1 private)
+    cache.offload()
+    first = log.pop("swap_out")
+    assert len(first.device_block_ids) == 4
+    cache.offload()  # the 4 in flight already cover the watermark: no second victim set
+    assert not [t for t in log.tasks if t.kind == "swap_out"]
