@@ -28,6 +28,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
                                         "started instead of finished (the race the sanitizer must catch)."),
     "FD_KVCACHE_FAULT_SLOW_FILL_S": (float, 0.0, "TEST ONLY: the cache transfer process sleeps this long between "
                                                   "announcing a fill and copying it."),
+    "FD_KVCACHE_FAULT_RAISE_IN_STEP": (int, 0, "TEST ONLY: the worker raises inside the KV-cache lock bracket "
+                                                "on this execute_model call (1-based; 0 = never)."),
     "FD_KVCACHE_TRANSFER_TIMEOUT": (float, 30.0, "Seconds a KV fill (swap-in/prefetch) may take before it counts "
                                                  "as a miss and the request recomputes."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),

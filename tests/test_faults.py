@@ -196,3 +196,14 @@ def test_mooncake_master_restart_keeps_requests_succeeding():
             wait_until(stored_again, 90, "the Mooncake backend to reconnect and serve hits again")
     finally:
         master.stop()
+
+
+def test_exception_inside_the_lock_bracket_releases_it_and_serving_continues():
+    env = {"FD_USE_KVCACHE_LOCK": "1", "FD_KVCACHE_FAULT_RAISE_IN_STEP": "1"}
+    with ServerProcess(env=env) as server:
+        failed = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "prompt": REFERENCE[0]["prompt_ids"], "max_tokens": 4, "temperature": 0})
+        assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+        assert_reference_output(server)  # the next steps take the lock again: it was released
+        lock = httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()["kvcache_lock"]
+        assert lock["owner_pid"] == 0 and lock["recoveries"] == 0, lock

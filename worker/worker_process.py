@@ -68,6 +68,8 @@ class Worker:
         # Only TP rank 0 takes the lock: the other ranks would otherwise deadlock in collectives.
         self.kvcache_lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="worker",
                                              enabled=envs.FD_USE_KVCACHE_LOCK and tp_rank == 0)
+        self._steps_executed = 0
+        self._fault_step = envs.FD_KVCACHE_FAULT_RAISE_IN_STEP
         self.sanitizer = BlockStateSanitizer(self.signals.block_states.value, config.block_size) \
             if envs.FD_KVCACHE_SANITIZER else None
         self.zmq_context = zmq.Context()
@@ -85,11 +87,18 @@ class Worker:
                 batch = StepBatch(batch.step_id, [s for s in batch.seqs if s.request_id not in violations])
         return batch, violations
 
+    def _maybe_inject_fault(self) -> None:
+        """Test-only (FD_KVCACHE_FAULT_RAISE_IN_STEP=N): raise inside the lock bracket on the N-th step."""
+        self._steps_executed += 1
+        if self._steps_executed == self._fault_step:
+            raise RuntimeError(f"injected fault in step {self._steps_executed} (FD_KVCACHE_FAULT_RAISE_IN_STEP)")
+
     def execute_model(self, batch: StepBatch) -> StepResult:
         """One engine step on this rank (the single entry point the engine drives)."""
         batch, violations = self._sanitize(batch)
         try:
             with self.kvcache_lock.hold("execute_model"):
+                self._maybe_inject_fault()
                 result = self.runner.execute_model(batch) if batch.seqs else StepResult(batch.step_id)
             result.errors.update(violations)
             return result
