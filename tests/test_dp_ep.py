@@ -96,3 +96,32 @@ def test_two_nodes_as_separate_launches_form_one_ep_group(tiny_moe, baseline):
             node.stop()
             node.kill_group()
     assert got == expected
+
+
+def test_run_dp_ep_script_serves_the_moe(tiny_moe, baseline, tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    from tests.server_utils import REPO_ROOT, free_port
+
+    prompts, expected = baseline
+    server = ServerProcess()  # only for its port, instance id and health polling
+    server.port = free_port()
+    server.base_url = f"http://127.0.0.1:{server.port}"
+    env = {**server.env, "MODEL": tiny_moe, "DP": "2", "PORT": str(server.port), "FD_USE_KVCACHE_LOCK": "1",
+           "STORAGE_DIR": str(tmp_path)}
+    with open(server.log_path, "wb") as log:
+        server.proc = subprocess.Popen(["bash", str(REPO_ROOT / "scripts" / "run_dp_ep.sh")], cwd=REPO_ROOT, env=env,
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        server.wait_healthy()
+        health = httpx.get(server.base_url + "/health").json()
+        assert health["data_parallel_size"] == 2
+        assert complete_all(server, prompts[:6]) == expected[:6]
+        stats = httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()
+        assert all("kvcache_lock" in rank for rank in stats["ranks"])  # the script passed the lock setting on
+    finally:
+        server.stop()
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
