@@ -62,6 +62,9 @@ class ModelRunner:
         self.model = self._load_model()
         shape = kv_cache_shape(config.model_config, config.num_gpu_blocks, self.block_size)
         self.kv_segment = SharedArray(kv_cache_segment_name(config, tp_rank), shape, np.float32, create=True)
+        # Touch every page now: the pool's memory is committed at start-up (a full /dev/shm fails here, not
+        # mid-request) and serving neither page-faults nor shows first-touch growth as RSS creep.
+        self.kv_segment.array.fill(0.0)
         self.kv_caches = kv_cache_views(self.kv_segment.array)
         self._scratch_kv: np.ndarray | None = None
         self._scratch_kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]] = []
