@@ -6,6 +6,7 @@ step whose top-2 logit margin is below 0.01, where float32 summation order may f
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_
 from worker.loader import load_weights  # noqa: E402
 from worker.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
+from worker.models import llama as llama_module  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -414,3 +416,55 @@ def test_unsupported_architecture_is_named(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     with pytest.raises(ValueError, match="gpt_neox"):
         load_model_config(str(tmp_path))
+
+
+def aliasing_config() -> ModelConfig:
+    """Tiny Llama whose gate_up rows (2 x 512 floats) and tied LM head rows (1024 floats) are 4 KiB long."""
+    return dataclasses.replace(tiny_config("llama", tie=True), intermediate_size=512, vocab_size=1024)
+
+
+def logits_of_schedule(model, config: ModelConfig, tokens: list[int], prefill: int) -> np.ndarray:
+    """Logits at every position of one sequence: ``prefill`` tokens in one step, then one token per step."""
+    block_size = 4
+    table = list(range(-(-len(tokens) // block_size)))[::-1]  # reversed: paging, not contiguity
+    kv_caches = kv_cache_views(np.zeros(kv_cache_shape(config, len(table), block_size), dtype=np.float32))
+    chunks = [tokens[:prefill]] + [[token] for token in tokens[prefill:]]
+    produced, done = [], 0
+    for chunk in chunks:
+        done += len(chunk)
+        meta = build_attention_metadata([len(chunk)], [done], [table], block_size)
+        hidden = model(paddle.to_tensor(chunk, dtype="int64"), meta.positions, kv_caches, meta)
+        produced.append(model.compute_logits(hidden).numpy())
+    return np.concatenate(produced)
+
+
+def test_padded_weights_match_dense_numpy_reference() -> None:
+    """gate_up and LM head rows of 4 KiB get zero columns (a CPU GEMM speed-up); outputs must not change."""
+    config = aliasing_config()
+    weights = random_weights(config, seed=21)
+    model = get_model_class("llama")(config)
+    model.load_weights(weights)
+    # The padding must actually be exercised by this config, or the test proves nothing.
+    assert model._lm_head.shape[1] > config.vocab_size
+    assert model._layers[0].gate_up.shape[1] > 2 * config.intermediate_size
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, 11).tolist()
+    ours = logits_of_schedule(model, config, tokens, prefill=6)
+    assert ours.shape == (len(tokens), config.vocab_size)
+    expected = numpy_reference_logits(config, weights, tokens)
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_folded_attention_scale_is_bit_identical(architecture: str, monkeypatch) -> None:
+    """head_dim 16: the 0.25 scale is folded into the Q weights (and bias); every logit must be unchanged."""
+    config = tiny_config(architecture, tie=False)
+    weights = random_weights(config, seed=4)
+    folded = get_model_class(architecture)(config)
+    folded.load_weights(weights)
+    monkeypatch.setattr(llama_module, "_exact_power_of_two", lambda value: False)
+    scaled = get_model_class(architecture)(config)
+    scaled.load_weights(weights)
+    assert folded._layers[0].q_prescaled and not scaled._layers[0].q_prescaled
+    tokens = np.random.default_rng(8).integers(0, config.vocab_size, 12).tolist()
+    np.testing.assert_array_equal(logits_of_schedule(folded, config, tokens, prefill=7),
+                                  logits_of_schedule(scaled, config, tokens, prefill=7))
