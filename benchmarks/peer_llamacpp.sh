@@ -173,7 +173,9 @@ run_serving() {  # name port concurrency round
     if [[ ! -f "$out" ]]; then
         log "ERROR: serving.py against $1 (c=$3) wrote no report (exit $status)"; exit 5
     fi
-    log "$1 c=$3 round $4: $("$PYTHON" -c 'import json,sys; r = json.load(open(sys.argv[1])); print(r["output_throughput_tps"], "tok/s,", r["failed"], "failed")' "$out")"
+    local summary='import json, sys; r = json.load(open(sys.argv[1]))
+print(r["output_throughput_tps"], "tok/s,", r["failed"], "failed")'
+    log "$1 c=$3 round $4: $("$PYTHON" -c "$summary" "$out")"
 }
 
 for round in $(seq 1 "$ROUNDS"); do
@@ -187,7 +189,8 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 
-"$PYTHON" - "$WORK_DIR" "$OUT" "$CONCURRENCY" "$ROUNDS" "$THREADS" "$PARALLEL" "$NUM_REQUESTS" "$INPUT_LEN" "$OUTPUT_LEN" "$GGUF" <<'EOF'
+"$PYTHON" - "$WORK_DIR" "$OUT" "$CONCURRENCY" "$ROUNDS" "$THREADS" "$PARALLEL" \
+    "$NUM_REQUESTS" "$INPUT_LEN" "$OUTPUT_LEN" "$GGUF" <<'EOF'
 import glob, json, os, statistics, sys
 work, out, concurrency, rounds, threads, parallel, num_requests, input_len, output_len, gguf = sys.argv[1:]
 

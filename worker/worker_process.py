@@ -281,7 +281,7 @@ def tune_malloc() -> None:
         logger.debug("not glibc; malloc left as is")
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_trim_threshold, 4 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 30)  # mallopt takes a C int: 4 << 30 would overflow to 0
     libc.mallopt(m_mmap_threshold, 32 << 20)
 
 
