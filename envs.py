@@ -35,6 +35,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
     "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
     "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),
+    "FD_MKL_CPU_TYPE": (int, 0, "MKL_DEBUG_CPU_TYPE given to compute processes (0: 7, MKL's AVX-512 path, "
+                                "when the CPU has AVX-512 F/CD/BW/DQ/VL, else 5, its AVX2 path)."),
     "FD_HEARTBEAT_TIMEOUT": (float, 120.0, "Seconds without a worker heartbeat before the engine declares it dead."),
     "FD_WORKER_STEP_TIMEOUT": (float, 600.0, "Seconds the engine waits for one execute_model step before failing requests."),
     "FD_API_KEY": (_opt_str, None, "If set, the API requires 'Authorization: Bearer <key>'."),
@@ -71,12 +73,44 @@ def describe() -> list[tuple[str, Any, str]]:
     return [(name, default, doc) for name, (_p, default, doc) in _VARIABLES.items()]
 
 
+_AVX512_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+
+
+def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags of the first CPU listed in ``cpuinfo_path`` (empty if unreadable)."""
+    try:
+        with open(cpuinfo_path, encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        return frozenset()  # no procfs: the caller falls back to the AVX2 path
+    return frozenset()
+
+
+def mkl_cpu_type(flags: frozenset[str] | None = None) -> int:
+    """The MKL code path for this CPU.
+
+    MKL picks a slow generic path on AMD CPUs unless told otherwise. On these Zen
+    machines type 5 (AVX2) made GEMMs ~3x faster than the default, and type 7
+    (AVX-512, needs F/CD/BW/DQ/VL) made batch-32 decode steps faster again while
+    the greedy float32 outputs still match the reference. Type 6 (AVX-512 MIC)
+    is never chosen: it is for Xeon Phi.
+    """
+    configured = __getattr__("FD_MKL_CPU_TYPE")
+    if configured:
+        return configured
+    if flags is None:
+        flags = cpu_flags()
+    return 7 if _AVX512_FLAGS <= flags else 5
+
+
 def compute_thread_env(num_threads: int) -> dict[str, str]:
     """Variables a process must have before it imports paddle (ARCHITECTURE.md, CPU facts)."""
     return {
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
-        "MKL_DEBUG_CPU_TYPE": "5",
+        "MKL_DEBUG_CPU_TYPE": str(mkl_cpu_type()),
     }
 
 

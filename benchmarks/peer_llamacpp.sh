@@ -162,13 +162,11 @@ wait_healthy "http://127.0.0.1:$FD_PORT" "$FD_PID" fdserve
 
 run_serving() {  # name port concurrency round
     local out="$WORK_DIR/$1.c$3.r$4.json"
-    # Non-streaming for both servers: serving.py stops reading a stream at "data: [DONE]", and
-    # llama-server then fails the next request on that kept-alive connection ("Can not write
-    # request body", ~1/4 of requests). Output throughput, the compared figure, is the same.
+    # Streaming for both servers, so TTFT is observable; output tokens come from the final usage.
     # A short warm-up per run: first requests pay one-off costs (allocator growth, thread start).
     local status=0
     "$PYTHON" "$REPO_ROOT/benchmarks/serving.py" --port "$2" --num-requests "$NUM_REQUESTS" \
-        --concurrency "$3" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --no-stream \
+        --concurrency "$3" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --stream \
         --warmup "$(( $3 < 4 ? $3 : 4 ))" --seed "$4" --label "$1" --out "$out" >/dev/null || status=$?
     if [[ ! -f "$out" ]]; then
         log "ERROR: serving.py against $1 (c=$3) wrote no report (exit $status)"; exit 5
@@ -206,6 +204,8 @@ for c in concurrency.split():
         "concurrency": int(c),
         "llamacpp_tok_s": round(l_tps, 1), "fdserve_tok_s": round(f_tps, 1),
         "ratio_fdserve_over_llamacpp": round(f_tps / l_tps, 3) if l_tps else None,
+        "llamacpp_ttft_p50_ms": statistics.median(r["ttft_ms"]["p50"] or 0 for r in llama),
+        "fdserve_ttft_p50_ms": statistics.median(r["ttft_ms"]["p50"] or 0 for r in fd),
         "llamacpp_e2e_p50_ms": statistics.median(r["e2e_ms"]["p50"] or 0 for r in llama),
         "fdserve_e2e_p50_ms": statistics.median(r["e2e_ms"]["p50"] or 0 for r in fd),
         "failed": {"llamacpp": sum(r["failed"] for r in llama), "fdserve": sum(r["failed"] for r in fd)},
@@ -217,10 +217,12 @@ report = {
     "output_len": int(output_len), "llamacpp": f"llama-server -t {threads} -np {parallel}",
     "fdserve": f"python launch.py --num-threads {threads}", "results": rows,
 }
-print(f"{'conc':>5} {'llama.cpp tok/s':>16} {'fdserve tok/s':>14} {'ratio':>6}", file=sys.stderr)
+print(f"{'conc':>5} {'llama.cpp tok/s':>16} {'fdserve tok/s':>14} {'ratio':>6} "
+      f"{'llama.cpp TTFT p50':>19} {'fdserve TTFT p50':>17}", file=sys.stderr)
 for row in rows:
     print(f"{row['concurrency']:>5} {row['llamacpp_tok_s']:>16} {row['fdserve_tok_s']:>14} "
-          f"{row['ratio_fdserve_over_llamacpp']:>6}", file=sys.stderr)
+          f"{row['ratio_fdserve_over_llamacpp']:>6} {row['llamacpp_ttft_p50_ms']:>16.0f} ms "
+          f"{row['fdserve_ttft_p50_ms']:>14.0f} ms", file=sys.stderr)
 text = json.dumps(report, indent=2)
 print(text)
 if out:
