@@ -4,8 +4,10 @@ This module owns the KV cache *layout* (not its memory: the worker's model runne
 allocates that, on CPU in POSIX shared memory), the per-step ``AttentionMetadata``
 that maps tokens to cache slots, and ``paged_attention`` itself.
 
-Layout: per layer a ``(k_cache, v_cache)`` pair, each ``[num_blocks, block_size,
-num_kv_heads, head_dim]`` float32. Slot ``s`` is ``block * block_size + offset``.
+Layout (``cache_manager.kv_layout``): per layer a ``(k_cache, v_cache)`` pair, each
+``[num_blocks, num_kv_heads, block_size, head_dim]`` float32. Slot ``s`` is
+``block * block_size + offset``; its row for KV head ``h`` in the ``[-1, head_dim]``
+view is ``(block * num_kv_heads + h) * block_size + offset``.
 
 A step's tokens are the concatenation of its sequences' new tokens: decode
 sequences (one new token) first, then prefill chunks. Decodes are batched into one
@@ -14,10 +16,11 @@ bottom-right aligned causal mask, so a chunk may follow a cached prefix.
 
 CPU performance notes (Paddle 3.3.1, measured): 4-D transposes of gathered K/V are
 ~100x slower than 3-D ones, and broadcasting element-wise ops are ~10x slower than
-same-shape ones. So K/V are gathered per KV head straight into ``[.., kv_heads, len,
-head_dim]`` order by index (``paddle.gather``: ~4x faster than ``index_select`` for
-these row gathers), and decode masks are materialised at full score shape once per
-step (cached on the metadata and reused by every layer).
+same-shape ones. So K/V are gathered straight into ``[.., kv_heads, len, head_dim]``
+order by index (``paddle.gather``: ~4x faster than ``index_select`` for these row
+gathers); decode gathers whole per-head blocks, which the head-major block layout
+keeps contiguous. Decode masks are materialised at full score shape once per step
+(cached on the metadata and reused by every layer).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Any
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from cache_manager.kv_layout import device_cache_shape
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +48,8 @@ _PREFILL_SCORE_BUDGET = 16 * 1024 * 1024
 
 
 def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the whole-model cache array: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]."""
-    return (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """Shape of the whole-model cache array: [layers, 2 (k, v), blocks, kv_heads, block_size, head_dim]."""
+    return device_cache_shape(config, num_blocks, block_size)
 
 
 def kv_cache_views(array: np.ndarray) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
@@ -55,7 +60,7 @@ def kv_cache_views(array: np.ndarray) -> list[tuple[paddle.Tensor, paddle.Tensor
     """
     if array.ndim != 6 or array.shape[1] != 2:
         raise ValueError(
-            f"KV cache array must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {array.shape}"
+            f"KV cache array must be [layers, 2, blocks, kv_heads, block_size, head_dim], got {array.shape}"
         )
     if array.dtype != np.float32:
         raise ValueError(f"KV cache array must be float32, got {array.dtype}")
@@ -92,9 +97,9 @@ class AttentionMetadata:
     num_decodes: int
     num_tokens: int
     positions: paddle.Tensor  # [T] int64, position of each new token
-    slot_mapping: paddle.Tensor  # [T] int64, cache slot each new token's k/v is written to
+    slot_mapping: np.ndarray  # [T] int64, cache slot each new token's k/v is written to
     last_token_indices: paddle.Tensor  # [num_seqs] int64, row of each sequence's last token
-    decode_slots: np.ndarray | None  # [num_decodes, max_decode_context] int64, padded with a valid slot
+    decode_block_tables: np.ndarray | None  # [num_decodes, max_decode_blocks] int64, padded with a valid block
     decode_context_lens: np.ndarray | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
     # Per-step tensors derived lazily at first use (they need head counts) and reused by every layer.
@@ -139,10 +144,10 @@ def build_attention_metadata(
             prefills.append(PrefillChunk(query_start, query_len, context_len, prefix))
         query_start += query_len
 
-    decode_slots, decode_context_lens = None, None
+    decode_tables, decode_context_lens = None, None
     if num_decodes:
         decode_context_lens = np.asarray(context_lens[:num_decodes], dtype=np.int64)
-        decode_slots = _padded_decode_slots(block_tables[:num_decodes], decode_context_lens, block_size)
+        decode_tables = _padded_decode_tables(block_tables[:num_decodes], decode_context_lens, block_size)
 
     ends = np.cumsum(np.asarray(query_lens, dtype=np.int64))
     return AttentionMetadata(
@@ -152,9 +157,9 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         num_tokens=int(ends[-1]),
         positions=paddle.to_tensor(np.concatenate(positions), dtype="int64"),
-        slot_mapping=paddle.to_tensor(np.concatenate(slots), dtype="int64"),
+        slot_mapping=np.concatenate(slots),
         last_token_indices=paddle.to_tensor(ends - 1, dtype="int64"),
-        decode_slots=decode_slots,
+        decode_block_tables=decode_tables,
         decode_context_lens=decode_context_lens,
         prefills=prefills,
     )
@@ -196,19 +201,22 @@ def _slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.n
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def _padded_decode_slots(block_tables: list[list[int]], context_lens: np.ndarray, block_size: int) -> np.ndarray:
-    """[B, max_context] slots; padding repeats the sequence's first slot (real data, masked out later)."""
-    max_context = int(context_lens.max())
-    num_blocks = -(-max_context // block_size)
+def _padded_decode_tables(block_tables: list[list[int]], context_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """[B, max_blocks] block ids; padding repeats the sequence's first block (real data, masked out later)."""
+    num_blocks = -(-int(context_lens.max()) // block_size)
     tables = np.zeros((len(block_tables), num_blocks), dtype=np.int64)
-    for row, table in enumerate(block_tables):
-        used = table[:num_blocks]
+    for row, (table, context_len) in enumerate(zip(block_tables, context_lens)):
+        used = table[: -(-int(context_len) // block_size)]
         tables[row, : len(used)] = used
         tables[row, len(used):] = used[0]
-    positions = np.arange(max_context, dtype=np.int64)
-    slots = tables[:, positions // block_size] * block_size + positions % block_size
-    beyond = positions[None, :] >= context_lens[:, None]
-    return np.where(beyond, slots[:, :1], slots)
+    return tables
+
+
+def _cache_rows(slots: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
+    """Rows of the ``[-1, head_dim]`` cache view holding ``slots`` ([..., L]), as [..., kv_heads, L]."""
+    blocks, offsets = slots // block_size, slots % block_size
+    heads = np.arange(num_kv_heads, dtype=np.int64)[:, None]
+    return (blocks[..., None, :] * num_kv_heads + heads) * block_size + offsets[..., None, :]
 
 
 # --------------------------------------------------------------------------- attention
@@ -227,46 +235,58 @@ def paged_attention(
 
     Returns [T, heads * D] in the token order of ``q``.
     """
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    # Row views of the cache: [slots, kv_heads, D] for the write, [slots * kv_heads, D] for per-head gathers.
-    k_slots = k_cache.reshape([-1, num_kv_heads, head_dim])
-    v_slots = v_cache.reshape([-1, num_kv_heads, head_dim])
-    k_slots.scatter_(meta.slot_mapping, k, overwrite=True)
-    v_slots.scatter_(meta.slot_mapping, v, overwrite=True)
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    # Row views of the cache ([blocks * kv_heads * block_size, D]): the write and the per-token gathers use them.
     k_rows = k_cache.reshape([-1, head_dim])
     v_rows = v_cache.reshape([-1, head_dim])
+    write_rows = meta.derived(("write_rows", num_kv_heads), lambda: _write_rows(meta, num_kv_heads))
+    k_rows.scatter_(write_rows, k.reshape([-1, head_dim]), overwrite=True)
+    v_rows.scatter_(write_rows, v.reshape([-1, head_dim]), overwrite=True)
 
     if scale != 1.0:  # the model may have folded the scale into its Q weights
         q = paddle.scale(q, scale)
     outputs = []
     if meta.num_decodes:
-        outputs.append(_decode_attention(q[: meta.num_decodes], k_rows, v_rows, meta, num_kv_heads))
+        outputs.append(_decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta))
     for chunk in meta.prefills:
         outputs.append(_prefill_attention(q, k, v, k_rows, v_rows, chunk, meta, num_kv_heads))
     return outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
 
 
-def _per_head_rows(slots: np.ndarray, num_kv_heads: int) -> paddle.Tensor:
-    """Row indices into the [slots * kv_heads, D] view, ordered [..., kv_head, slot].
+def _write_rows(meta: AttentionMetadata, num_kv_heads: int) -> paddle.Tensor:
+    """Rows the step's k/v ([T * kv_heads, D], token-major) are written to."""
+    rows = _cache_rows(meta.slot_mapping[:, None], num_kv_heads, meta.block_size)  # [T, kv_heads, 1]
+    return paddle.to_tensor(rows.reshape(-1), dtype="int64")
+
+
+def _per_head_rows(slots: np.ndarray, num_kv_heads: int, block_size: int) -> paddle.Tensor:
+    """Row indices into the [-1, D] cache view, ordered [..., kv_head, slot].
 
     Gathering with these yields K/V already in attention order ([.., kv_heads, len, D]),
     avoiding a 4-D transpose.
     """
-    heads = np.arange(num_kv_heads, dtype=np.int64)
-    rows = slots[..., None, :] * num_kv_heads + heads[:, None]
-    return paddle.to_tensor(rows.reshape(-1), dtype="int64")
+    return paddle.to_tensor(_cache_rows(slots, num_kv_heads, block_size).reshape(-1), dtype="int64")
+
+
+def _decode_block_rows(meta: AttentionMetadata, num_kv_heads: int) -> paddle.Tensor:
+    """Rows of the [blocks * kv_heads, block_size * D] cache view, ordered [seq, kv_head, block]."""
+    tables = meta.decode_block_tables
+    heads = np.arange(num_kv_heads, dtype=np.int64)[:, None]
+    return paddle.to_tensor((tables[:, None, :] * num_kv_heads + heads).reshape(-1), dtype="int64")
 
 
 def _decode_attention(
-    q: paddle.Tensor, k_rows: paddle.Tensor, v_rows: paddle.Tensor, meta: AttentionMetadata, num_kv_heads: int
+    q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, meta: AttentionMetadata
 ) -> paddle.Tensor:
     batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    length = meta.decode_slots.shape[1]
-    rows = meta.derived(("decode_rows", num_kv_heads), lambda: _per_head_rows(meta.decode_slots, num_kv_heads))
+    length = meta.decode_block_tables.shape[1] * block_size
+    rows = meta.derived(("decode_block_rows", num_kv_heads), lambda: _decode_block_rows(meta, num_kv_heads))
     mask = meta.derived(("decode_mask", num_kv_heads, group), lambda: _decode_mask(meta, num_kv_heads, group))
-    keys = paddle.gather(k_rows, rows).reshape([batch, num_kv_heads, length, head_dim])
-    values = paddle.gather(v_rows, rows).reshape([batch, num_kv_heads, length, head_dim])
+    block_view = [-1, block_size * head_dim]
+    keys = paddle.gather(k_cache.reshape(block_view), rows).reshape([batch, num_kv_heads, length, head_dim])
+    values = paddle.gather(v_cache.reshape(block_view), rows).reshape([batch, num_kv_heads, length, head_dim])
     # Head h reads KV head h // group: [B, H, D] is [B, kv_heads, group, D] without moving data.
     scores = paddle.matmul(q.reshape([batch, num_kv_heads, group, head_dim]), keys, transpose_y=True)
     probs = F.softmax(scores + mask, axis=-1)
@@ -274,7 +294,7 @@ def _decode_attention(
 
 
 def _decode_mask(meta: AttentionMetadata, num_kv_heads: int, group: int) -> paddle.Tensor:
-    length = meta.decode_slots.shape[1]
+    length = meta.decode_block_tables.shape[1] * meta.block_size
     beyond = np.arange(length)[None, :] >= meta.decode_context_lens[:, None]
     additive = np.where(beyond, _MASKED, 0.0).astype(np.float32)
     full = np.broadcast_to(additive[:, None, None, :], (len(additive), num_kv_heads, group, length))
@@ -306,7 +326,8 @@ def _prefill_attention(
         values = paddle.gather(v.reshape([-1, head_dim]), rows).reshape([num_kv_heads, context_len, head_dim])
     else:
         rows = meta.derived(
-            ("prefix_rows", start, num_kv_heads), lambda: _per_head_rows(chunk.context_slots, num_kv_heads)
+            ("prefix_rows", start, num_kv_heads),
+            lambda: _per_head_rows(chunk.context_slots, num_kv_heads, meta.block_size),
         )
         keys = paddle.gather(k_rows, rows).reshape([num_kv_heads, context_len, head_dim])
         values = paddle.gather(v_rows, rows).reshape([num_kv_heads, context_len, head_dim])
