@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import paddle
@@ -50,8 +51,9 @@ class _LayerWeights:
     k_norm: paddle.Tensor | None
     o_proj: paddle.Tensor  # [heads * head_dim, hidden]
     post_attention_norm: paddle.Tensor  # [hidden]
-    gate_up: paddle.Tensor  # [hidden, 2 * I']: gate columns then up columns (F.swiglu's split), I' >= intermediate
-    down: paddle.Tensor  # [I', hidden]; rows past intermediate are zero
+    # Dense MLP; None in a layer whose MLP lives elsewhere (a MoE layer).
+    gate_up: paddle.Tensor | None  # [hidden, 2 * I']: gate columns then up columns (F.swiglu's split), I' >= intermediate
+    down: paddle.Tensor | None  # [I', hidden]; rows past intermediate are zero
     # True when the attention scale is already folded into the Q columns of qkv (and qkv_bias).
     q_prescaled: bool = False
 
@@ -80,52 +82,54 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Take Hugging Face named float32 arrays ([out, in] layout) and build the runtime weights."""
+        get = weight_getter(weights)
+        self._layers = [
+            self.layer_weights(get, f"model.layers.{index}.", with_mlp=True)
+            for index in range(self.config.num_hidden_layers)
+        ]
+        self.load_embeddings(get)
+
+    def layer_weights(self, get: WeightGetter, prefix: str, with_mlp: bool) -> _LayerWeights:
+        """One decoder layer's attention (and, if ``with_mlp``, dense MLP) weights under ``prefix``."""
         config = self.config
-
-        def get(name: str) -> np.ndarray:
-            if name not in weights:
-                raise KeyError(f"weight {name!r} is missing from the checkpoint")
-            return weights[name]
-
-        def tensor(array: np.ndarray) -> paddle.Tensor:
-            return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
-
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv = np.concatenate([get(attn + f"{name}_proj.weight") for name in "qkv"])
+        bias = None
+        if config.attention_bias:
+            bias = np.concatenate([get(attn + f"{name}_proj.bias") for name in "qkv"])
         fold_scale = _exact_power_of_two(self.scale) and not config.qk_norm
-        layers = []
-        for index in range(config.num_hidden_layers):
-            prefix = f"model.layers.{index}."
-            attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            qkv = np.concatenate([get(attn + f"{name}_proj.weight") for name in "qkv"])
-            bias = None
-            if config.attention_bias:
-                bias = np.concatenate([get(attn + f"{name}_proj.bias") for name in "qkv"])
-            if fold_scale:
-                qkv, bias = _fold_q_scale(qkv, bias, self._q_width, self.scale)
+        if fold_scale:
+            qkv, bias = _fold_q_scale(qkv, bias, self._q_width, self.scale)
+        gate_up, down = None, None
+        if with_mlp:
             gate_up, down = _padded_mlp(get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight"),
                                         get(mlp + "down_proj.weight"))
-            layers.append(_LayerWeights(
-                input_norm=tensor(get(prefix + "input_layernorm.weight")),
-                # Transposed once here so every step runs plain x @ W.
-                qkv=tensor(qkv.T),
-                qkv_bias=tensor(bias) if bias is not None else None,
-                q_norm=tensor(get(attn + "q_norm.weight")) if config.qk_norm else None,
-                k_norm=tensor(get(attn + "k_norm.weight")) if config.qk_norm else None,
-                o_proj=tensor(get(attn + "o_proj.weight").T),
-                post_attention_norm=tensor(get(prefix + "post_attention_layernorm.weight")),
-                gate_up=tensor(gate_up),
-                down=tensor(down),
-                q_prescaled=fold_scale,
-            ))
+        return _LayerWeights(
+            input_norm=to_weight(get(prefix + "input_layernorm.weight")),
+            # Transposed once here so every step runs plain x @ W.
+            qkv=to_weight(qkv.T),
+            qkv_bias=to_weight(bias) if bias is not None else None,
+            q_norm=to_weight(get(attn + "q_norm.weight")) if config.qk_norm else None,
+            k_norm=to_weight(get(attn + "k_norm.weight")) if config.qk_norm else None,
+            o_proj=to_weight(get(attn + "o_proj.weight").T),
+            post_attention_norm=to_weight(get(prefix + "post_attention_layernorm.weight")),
+            gate_up=to_weight(gate_up) if gate_up is not None else None,
+            down=to_weight(down) if down is not None else None,
+            q_prescaled=fold_scale,
+        )
+
+    def load_embeddings(self, get: WeightGetter) -> None:
+        """Token embedding, final norm and LM head (the embedding itself when tied)."""
+        config = self.config
         embed = get("model.embed_tokens.weight")
         if embed.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(
                 f"embedding shape {embed.shape} does not match config ({config.vocab_size}, {config.hidden_size})"
             )
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
-        self._layers = layers
-        self._embed = tensor(embed)
-        self._final_norm = tensor(get("model.norm.weight"))
-        self._lm_head = tensor(_pad_columns(lm_head.T))
+        self._embed = to_weight(embed)
+        self._final_norm = to_weight(get("model.norm.weight"))
+        self._lm_head = to_weight(_pad_columns(lm_head.T))
 
     # ------------------------------------------------------------------ forward
 
@@ -138,21 +142,9 @@ class LlamaForCausalLM(paddle.nn.Layer):
         meta: AttentionMetadata,
     ) -> paddle.Tensor:
         """Final-norm hidden states [T, hidden] of a flattened varlen batch of T new tokens."""
-        if not self._layers:
-            raise RuntimeError("LlamaForCausalLM.forward called before load_weights")
-        if len(kv_caches) != len(self._layers):
-            raise ValueError(f"expected {len(self._layers)} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        self._check_step(input_ids, kv_caches, meta)
         num_tokens = input_ids.shape[0]
-        if num_tokens != meta.num_tokens:
-            raise ValueError(
-                f"input_ids has {num_tokens} tokens but the attention metadata describes {meta.num_tokens}"
-            )
-        longest = max(meta.context_lens)
-        if longest > self.config.max_position_embeddings:
-            raise ValueError(
-                f"a sequence reaches {longest} tokens, beyond the model's "
-                f"{self.config.max_position_embeddings} positions"
-            )
+        self.begin_forward(num_tokens)
         # One RoPE table lookup per step, shared by every layer; q and k heads rotate together.
         rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
         cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
@@ -160,14 +152,39 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
         hidden = paddle.index_select(self._embed, input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches)):
             hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
             attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
             projected = paddle.matmul(attended, layer.o_proj)
             hidden, residual = self._rms_norm(projected, layer.post_attention_norm, residual)
-            hidden = paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
+            hidden = self.mlp(index, hidden, layer)
         hidden, _ = self._rms_norm(hidden, self._final_norm, residual)
         return hidden
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Hook run once per forward before the first layer (expert parallelism announces its batch here)."""
+
+    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
+        """The MLP of layer ``layer_index`` on normed hidden states [T, hidden]."""
+        return paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
+
+    def _check_step(
+        self, input_ids: paddle.Tensor, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]], meta: AttentionMetadata
+    ) -> None:
+        if not self._layers:
+            raise RuntimeError(f"{type(self).__name__}.forward called before load_weights")
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"expected {len(self._layers)} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[0]} tokens but the attention metadata describes {meta.num_tokens}"
+            )
+        longest = max(meta.context_lens)
+        if longest > self.config.max_position_embeddings:
+            raise ValueError(
+                f"a sequence reaches {longest} tokens, beyond the model's "
+                f"{self.config.max_position_embeddings} positions"
+            )
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """float32 logits [N, vocab] for already selected hidden rows [N, hidden]."""
@@ -227,6 +244,25 @@ class LlamaForCausalLM(paddle.nn.Layer):
         if self._fused_norm:
             return incubate_F.fused_rms_norm(x, weight, None, self.eps, 2)[0]
         return _plain_rms_norm(x, weight, self.eps)
+
+
+WeightGetter = Callable[[str], np.ndarray]
+
+
+def weight_getter(weights: dict[str, np.ndarray]) -> WeightGetter:
+    """``get(name)``: the named checkpoint array, or a KeyError naming the missing weight."""
+
+    def get(name: str) -> np.ndarray:
+        if name not in weights:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        return weights[name]
+
+    return get
+
+
+def to_weight(array: np.ndarray) -> paddle.Tensor:
+    """A contiguous float32 paddle tensor copy of ``array``."""
+    return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
 
 
 def _half_swap_rows(num_heads_total: int) -> paddle.Tensor:

@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, runtime_checkable
+from typing import Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from worker.attention import AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.llama import LlamaForCausalLM, _LayerWeights
+from worker.models.llama import LlamaForCausalLM, WeightGetter, _LayerWeights, to_weight, weight_getter
 
 logger = logging.getLogger(__name__)
 
@@ -222,40 +221,22 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Take Hugging Face named float32 arrays ([out, in]); keep only the local experts."""
         config = self.config
-
-        def get(name: str) -> np.ndarray:
-            if name not in weights:
-                raise KeyError(f"weight {name!r} is missing from the checkpoint")
-            return weights[name]
-
+        get = weight_getter(weights)
         layers, sparse = [], []
         for index in range(config.num_hidden_layers):
             prefix = f"model.layers.{index}."
-            if config.is_moe_layer(index):
-                block = self._sparse_weights(get, prefix + "mlp.")
-                dense = None
-            else:
-                block = None
-                dense = _mlp_weights(get, prefix + "mlp.")
-            layers.append(_attention_layer_weights(get, config, prefix, dense))
-            sparse.append(block)
-        embed = get("model.embed_tokens.weight")
-        if embed.shape != (config.vocab_size, config.hidden_size):
-            raise ValueError(
-                f"embedding shape {embed.shape} does not match config ({config.vocab_size}, {config.hidden_size})"
-            )
-        lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+            is_moe = config.is_moe_layer(index)
+            layers.append(self.layer_weights(get, prefix, with_mlp=not is_moe))
+            sparse.append(self._sparse_weights(get, prefix + "mlp.") if is_moe else None)
         self._layers = layers
         self._sparse = sparse
-        self._embed = _tensor(embed)
-        self._final_norm = _tensor(get("model.norm.weight"))
-        self._lm_head = _tensor(lm_head.T)
+        self.load_embeddings(get)
         logger.info(
             "MoE model loaded: %d layers (%d sparse), %d of %d experts local",
             len(layers), sum(block is not None for block in sparse), len(self.local_expert_ids), config.num_experts,
         )
 
-    def _sparse_weights(self, get: Callable[[str], np.ndarray], prefix: str) -> SparseMoeWeights:
+    def _sparse_weights(self, get: WeightGetter, prefix: str) -> SparseMoeWeights:
         router = get(prefix + "gate.weight")
         if router.shape != (self.config.num_experts, self.config.hidden_size):
             raise ValueError(
@@ -265,9 +246,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         shared, shared_gate = None, None
         if self.config.shared_expert_intermediate_size > 0:
             shared = _mlp_weights(get, prefix + "shared_expert.")
-            shared_gate = _tensor(get(prefix + "shared_expert_gate.weight").T)
+            shared_gate = to_weight(get(prefix + "shared_expert_gate.weight").T)
         return SparseMoeWeights(
-            router=_tensor(router.T),
+            router=to_weight(router.T),
             experts={expert: _mlp_weights(get, f"{prefix}experts.{expert}.") for expert in self.local_expert_ids},
             shared_expert=shared,
             shared_expert_gate=shared_gate,
@@ -275,36 +256,13 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     # ------------------------------------------------------------------ forward
 
-    @paddle.no_grad()
-    def forward(
-        self,
-        input_ids: paddle.Tensor,
-        positions: paddle.Tensor,
-        kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]],
-        meta: AttentionMetadata,
-    ) -> paddle.Tensor:
-        """Final-norm hidden states [T, hidden] of a flattened varlen batch of T new tokens."""
-        self._check_step(input_ids, kv_caches, meta)
-        num_tokens = input_ids.shape[0]
+    def begin_forward(self, num_tokens: int) -> None:
         if self._exchanges_tokens:
             self.ep.begin_forward(num_tokens)
-        rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
-        cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
-        sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand(rotated_shape)
 
-        hidden = paddle.index_select(self._embed, input_ids)
-        residual = None
-        for layer, block, (k_cache, v_cache) in zip(self._layers, self._sparse, kv_caches):
-            hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
-            attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
-            projected = paddle.matmul(attended, layer.o_proj)
-            hidden, residual = self._rms_norm(projected, layer.post_attention_norm, residual)
-            if block is None:
-                hidden = paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
-            else:
-                hidden = self.sparse_moe(hidden, block)
-        hidden, _ = self._rms_norm(hidden, self._final_norm, residual)
-        return hidden
+    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
+        block = self._sparse[layer_index]
+        return super().mlp(layer_index, hidden, layer) if block is None else self.sparse_moe(hidden, block)
 
     def sparse_moe(self, hidden: paddle.Tensor, block: SparseMoeWeights) -> paddle.Tensor:
         """The MoE block's output [T, hidden] for normed hidden states [T, hidden]."""
@@ -326,24 +284,6 @@ class MoEForCausalLM(LlamaForCausalLM):
             output = output + gate * _swiglu_mlp(hidden, block.shared_expert)
         return output
 
-    def _check_step(
-        self, input_ids: paddle.Tensor, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]], meta: AttentionMetadata
-    ) -> None:
-        if not self._layers:
-            raise RuntimeError("MoEForCausalLM.forward called before load_weights")
-        if len(kv_caches) != len(self._layers):
-            raise ValueError(f"expected {len(self._layers)} (k_cache, v_cache) pairs, got {len(kv_caches)}")
-        if input_ids.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"input_ids has {input_ids.shape[0]} tokens but the attention metadata describes {meta.num_tokens}"
-            )
-        longest = max(meta.context_lens)
-        if longest > self.config.max_position_embeddings:
-            raise ValueError(
-                f"a sequence reaches {longest} tokens, beyond the model's "
-                f"{self.config.max_position_embeddings} positions"
-            )
-
 
 def _local_expert_ids(
     config: ModelConfig, ep: ExpertParallel | TokenExchangeExpertParallel | None
@@ -359,31 +299,6 @@ def _local_expert_ids(
     return sorted(ids)
 
 
-def _tensor(array: np.ndarray) -> paddle.Tensor:
-    return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
-
-
-def _mlp_weights(get: Callable[[str], np.ndarray], prefix: str) -> ExpertWeights:
+def _mlp_weights(get: WeightGetter, prefix: str) -> ExpertWeights:
     gate_up = np.concatenate([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
-    return ExpertWeights(gate_up=_tensor(gate_up.T), down=_tensor(get(prefix + "down_proj.weight").T))
-
-
-def _attention_layer_weights(
-    get: Callable[[str], np.ndarray], config: ModelConfig, prefix: str, dense: ExpertWeights | None
-) -> _LayerWeights:
-    """The Llama layer record; its MLP fields hold the dense MLP, or None in a sparse layer."""
-    attn = prefix + "self_attn."
-    bias = None
-    if config.attention_bias:
-        bias = _tensor(np.concatenate([get(attn + f"{name}_proj.bias") for name in "qkv"]))
-    return _LayerWeights(
-        input_norm=_tensor(get(prefix + "input_layernorm.weight")),
-        qkv=_tensor(np.concatenate([get(attn + f"{name}_proj.weight") for name in "qkv"]).T),
-        qkv_bias=bias,
-        q_norm=_tensor(get(attn + "q_norm.weight")) if config.qk_norm else None,
-        k_norm=_tensor(get(attn + "k_norm.weight")) if config.qk_norm else None,
-        o_proj=_tensor(get(attn + "o_proj.weight").T),
-        post_attention_norm=_tensor(get(prefix + "post_attention_layernorm.weight")),
-        gate_up=dense.gate_up if dense is not None else None,
-        down=dense.down if dense is not None else None,
-    )
+    return ExpertWeights(gate_up=to_weight(gate_up.T), down=to_weight(get(prefix + "down_proj.weight").T))
