@@ -10,34 +10,20 @@ sequence's last token and a greedy argmax.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import envs  # noqa: E402
+from model_setup import add_model_arguments, contiguous_cache, load_model, write_report
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M GGUF)")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
-    parser.add_argument("--context", type=int, default=128, help="prompt tokens prefilled per sequence")
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before timing")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="compute threads (0: FD_NUM_THREADS or all cores)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_model_arguments(parser, steps=16, steps_help="timed decode steps per batch size")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(item) for item in args.batch_sizes.split(",") if item.strip()]
     if not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -51,13 +37,10 @@ def run_batch(model: Any, config: Any, batch_size: int, args: argparse.Namespace
     import numpy as np
     import paddle
 
-    from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views
+    from worker.attention import build_attention_metadata
 
     total_len = args.context + args.warmup + args.steps + 1
-    blocks_per_seq = -(-total_len // args.block_size)
-    cache = np.zeros(kv_cache_shape(config, batch_size * blocks_per_seq, args.block_size), dtype=np.float32)
-    kv_caches = kv_cache_views(cache)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
+    kv_caches, tables = contiguous_cache(config, batch_size, total_len, args.block_size)
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, config.vocab_size, size=(batch_size, args.context), dtype=np.int64)
 
@@ -92,18 +75,10 @@ def run_batch(model: Any, config: Any, batch_size: int, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threads = args.threads or envs.FD_NUM_THREADS or envs.available_cores()
-    envs.apply_compute_thread_env(threads)  # before paddle is imported, below
+    loaded = load_model(args)
     import paddle
 
-    from worker.loader import load_weights
-    from worker.model_config import default_model_path, load_model_config
-    from worker.models import get_model_class
-
-    config = load_model_config(args.model or default_model_path())
-    model = get_model_class(config.architecture)(config)
-    model.load_weights(load_weights(config))
+    model, config = loaded.model, loaded.config
     # The first forward pays one-off costs (allocator growth, GEMM kernel set-up) that are not the model's rate.
     run_batch(model, config, 1, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 1}))
     results = []
@@ -116,17 +91,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_fingerprint": config.model_fingerprint,
         "paddle_version": paddle.__version__,
         "device": paddle.device.get_device(),
-        "threads": threads,
+        "threads": loaded.threads,
         "context": args.context,
         "steps": args.steps,
         "block_size": args.block_size,
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -22,7 +22,6 @@ the worker's malloc tuning (``worker.worker_process.tune_malloc``), as the worke
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pickle
@@ -33,26 +32,15 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import envs  # noqa: E402
+from model_setup import add_model_arguments, contiguous_cache, load_model, write_report
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M GGUF)")
     parser.add_argument("--batch-size", type=int, default=32, help="decode sequences per step")
-    parser.add_argument("--context", type=int, default=128, help="prompt tokens prefilled per sequence")
-    parser.add_argument("--steps", type=int, default=8, help="profiled decode steps (medians are reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="decode steps run before profiling")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="compute threads (0: FD_NUM_THREADS or all cores)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_model_arguments(parser, steps=8, steps_help="profiled decode steps (medians are reported)")
     args = parser.parse_args(argv)
     if min(args.batch_size, args.context, args.steps) < 1 or args.warmup < 0:
         parser.error("--batch-size, --context and --steps must be positive, --warmup non-negative")
@@ -172,35 +160,21 @@ def summarise(labels: dict[str, float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threads = args.threads or envs.FD_NUM_THREADS or envs.available_cores()
-    envs.apply_compute_thread_env(threads)  # before paddle is imported, below
-    # The worker keeps freed activation buffers in the heap; without that every step page-faults them in.
-    from worker.worker_process import tune_malloc
-
-    tune_malloc()
+    loaded = load_model(args)
     import numpy as np
     import paddle
     import zmq
 
     from engine.sampling_params import SamplingParams
     from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult
-    from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views
-    from worker.loader import load_weights
-    from worker.model_config import default_model_path, load_model_config
-    from worker.models import get_model_class
+    from worker.attention import build_attention_metadata
     from worker.sampler import Sampler
 
-    config = load_model_config(args.model or default_model_path())
-    model = get_model_class(config.architecture)(config)
-    model.load_weights(load_weights(config))
+    model, config = loaded.model, loaded.config
     sampler = Sampler(seed=args.seed)
     batch_size, block_size = args.batch_size, args.block_size
     total_len = args.context + args.warmup + args.steps + 1
-    blocks_per_seq = -(-total_len // block_size)
-    cache = np.zeros(kv_cache_shape(config, batch_size * blocks_per_seq, block_size), dtype=np.float32)
-    kv_caches = kv_cache_views(cache)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
+    kv_caches, tables = contiguous_cache(config, batch_size, total_len, block_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=total_len)
     rng = np.random.default_rng(args.seed)
     histories = rng.integers(0, config.vocab_size, size=(batch_size, args.context)).tolist()
@@ -267,17 +241,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels_ms = {label: round(seconds * 1e3, 3) for label, seconds in sorted(medians.items(), key=lambda kv: -kv[1])}
     parts_ms = {name: round(seconds * 1e3, 3) for name, seconds in summarise(medians).items()}
     report = {
-        "model": config.path, "paddle_version": paddle.__version__, "threads": threads,
+        "model": config.path, "paddle_version": paddle.__version__, "threads": loaded.threads,
         "batch_size": batch_size, "context": args.context, "block_size": block_size, "steps": args.steps,
         "step_ms_median": round(step_ms, 3), "step_ms_min": round(min(totals) * 1e3, 3),
         "hooked_calls_per_step": calls, "parts_ms": parts_ms, "labels_ms": labels_ms,
     }
     print_table(report)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    write_report(report, args.out)
     return report
 
 

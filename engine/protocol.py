@@ -332,17 +332,8 @@ def completion_chunk(request_id: str, created: int, model: str, text: str, finis
                      with_usage_field: bool = False) -> dict[str, Any]:
     """One streamed ``/v1/completions`` event."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    chunk = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_with_token_ids(choice, prompt_token_ids, completion_token_ids)],
-    }
-    if with_usage_field:
-        # OpenAI sends "usage": null on every chunk but the last when include_usage is on.
-        chunk["usage"] = None
-    return chunk
+    return _stream_chunk("text_completion", request_id, created, model,
+                         _with_token_ids(choice, prompt_token_ids, completion_token_ids), with_usage_field)
 
 
 def chat_completion_chunk(request_id: str, created: int, model: str, content: str | None,
@@ -356,14 +347,15 @@ def chat_completion_chunk(request_id: str, created: int, model: str, content: st
     if content is not None:
         delta["content"] = content
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    chunk = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [_with_token_ids(choice, prompt_token_ids, completion_token_ids)],
-    }
+    return _stream_chunk("chat.completion.chunk", request_id, created, model,
+                         _with_token_ids(choice, prompt_token_ids, completion_token_ids), with_usage_field)
+
+
+def _stream_chunk(object_type: str, request_id: str, created: int, model: str, choice: dict[str, Any],
+                  with_usage_field: bool) -> dict[str, Any]:
+    chunk = {"id": request_id, "object": object_type, "created": created, "model": model, "choices": [choice]}
     if with_usage_field:
+        # OpenAI sends "usage": null on every chunk but the last when include_usage is on.
         chunk["usage"] = None
     return chunk
 

@@ -7,6 +7,7 @@ the whole group and check that nothing of that instance is left in /dev/shm.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+
+from inter_communicator.shm import sweep_stale
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_PATH = REPO_ROOT.parent / "shared" / "reference" / "smollm2_greedy.json"
@@ -131,9 +136,20 @@ class ServerProcess:
             except ProcessLookupError:
                 return  # already gone
 
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Stop the server, kill what is left of its group and remove any names it left in /dev/shm."""
         self.stop()
         self.kill_group()
+        leftovers = sweep_stale(self.instance_id)
+        if leftovers:
+            logger.warning("removed shared-memory names the server left behind: %s", leftovers)
+
+    def __enter__(self) -> "ServerProcess":
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # a server that failed to come up may still have children and segments
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -8,17 +8,14 @@ a client that goes away mid-request leaves no request behind in the API server.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from inter_communicator.shm import sweep_stale
 from tests.server_utils import ServerProcess
 
-logger = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.integration
 
@@ -32,17 +29,9 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-                         env={"FD_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES)})
-    try:
-        proc.start()  # returns once GET /health is 200 (bounded by server_utils.START_TIMEOUT_S)
+    with ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+                       env={"FD_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES)}) as proc:
         yield proc
-    finally:
-        proc.stop()  # SIGINT, SIGKILL to the group after 15 s
-        proc.kill_group()
-        leftovers = sweep_stale(proc.instance_id)
-        if leftovers:
-            logger.warning("removed shared-memory names the server left behind: %s", leftovers)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import stat
 from typing import Any, Iterator
@@ -27,11 +26,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineArgs
-from inter_communicator.shm import sweep_stale
 from launch import ipc_dir_for
 from tests.server_utils import ServerProcess, expected_prefix, load_reference, shm_names
 
-logger = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.integration
 
@@ -52,18 +49,10 @@ FUZZ_SETTINGS = settings(deadline=None, database=None, print_blob=True,
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN),
-                         env={"FD_API_KEY": API_KEY, "FD_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
-                              "FD_USE_KVCACHE_LOCK": "1"})
-    try:
-        proc.start()
+    with ServerProcess("--max-model-len", str(MAX_MODEL_LEN),
+                       env={"FD_API_KEY": API_KEY, "FD_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+                            "FD_USE_KVCACHE_LOCK": "1"}) as proc:
         yield proc
-    finally:
-        proc.stop()
-        proc.kill_group()
-        leftovers = sweep_stale(proc.instance_id)
-        if leftovers:
-            logger.warning("removed shared-memory names the server left behind: %s", leftovers)
 
 
 @pytest.fixture(scope="module")

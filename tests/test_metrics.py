@@ -9,7 +9,6 @@ frozen engine (SIGSTOP) does not hang the scrape.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import signal
@@ -22,10 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inter_communicator.shm import sweep_stale
 from tests.server_utils import ServerProcess, load_reference
 
-logger = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.integration
 
@@ -42,17 +39,9 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN),
-                         env={"FD_USE_KVCACHE_LOCK": "1", "FD_METRICS_ENGINE_TIMEOUT": str(ENGINE_TIMEOUT_S)})
-    try:
-        proc.start()
+    with ServerProcess("--max-model-len", str(MAX_MODEL_LEN),
+                       env={"FD_USE_KVCACHE_LOCK": "1", "FD_METRICS_ENGINE_TIMEOUT": str(ENGINE_TIMEOUT_S)}) as proc:
         yield proc
-    finally:
-        proc.stop()
-        proc.kill_group()
-        leftovers = sweep_stale(proc.instance_id)
-        if leftovers:
-            logger.warning("removed shared-memory names the server left behind: %s", leftovers)
 
 
 @pytest.fixture(scope="module")
