@@ -3,12 +3,12 @@
 Owns the copy routines the cache transfer process runs (no IPC, no locking, no paddle), and the
 validation of block ids and layouts they need. Layouts (cache_manager/kv_layout.py):
 
-- device pool ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``: one block is strided,
-  ``layers * 2`` runs of ``block_size * kv_heads * head_dim`` floats;
-- host pool and staging ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``: one block is
+- device pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``: one block is strided,
+  ``layers * 2`` runs of ``kv_heads * block_size * head_dim`` floats;
+- host pool and staging ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``: one block is
   one contiguous object, exactly the bytes one storage object holds.
 
-Measured here (2-core EPYC, SmolLM2 blocks of 30 x 2 x 64 x 3 x 64 float32, 16 blocks): one
+Measured here (2-core EPYC, SmolLM2 blocks of 30 x 2 x 3 x 64 x 64 float32, 16 blocks): one
 ``copyto`` per block runs at memcpy speed (~13-18 GB/s), while whole-batch fancy indexing
 (``host[h] = moveaxis(device[:, :, d], 2, 0)``) materialises a temporary and runs at ~5 GB/s,
 and per-layer-pair fancy indexing or ``np.take`` sits in between (~8-10 GB/s). The runs of one
