@@ -25,6 +25,7 @@ from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_
 from worker.loader import load_weights  # noqa: E402
 from worker.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
+from tests.model_utils import TWO_SEQUENCE_SCHEDULE, run_schedule  # noqa: E402
 from worker.models import llama as llama_module  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -389,26 +390,9 @@ def test_architectures_match_dense_numpy_reference(architecture: str, tie: bool,
     rng = np.random.default_rng(5)
     seqs = {"a": rng.integers(0, config.vocab_size, 16).tolist(), "b": rng.integers(0, config.vocab_size, 12).tolist()}
     tables = {"a": [9, 3, 14, 0, 7, 1, 12, 5], "b": [2, 11, 6, 15, 4, 8, 10, 13]}
-    # (name, new tokens) per step; decodes first. Covers: two prefills in a step, a prefix-chunk next to a
-    # decode, and a decode batch over sequences of different lengths.
-    schedule = [[("a", 7), ("b", 9)], [("b", 1), ("a", 6)], [("b", 1), ("a", 1)], [("a", 1), ("b", 1)], [("a", 1)]]
-    done = {"a": 0, "b": 0}
-    produced: dict[str, list[np.ndarray]] = {"a": [], "b": []}
-    for step in schedule:
-        meta = build_attention_metadata(
-            [count for _, count in step], [done[name] + count for name, count in step],
-            [tables[name] for name, _ in step], block_size,
-        )
-        ids = [token for name, count in step for token in seqs[name][done[name]: done[name] + count]]
-        hidden = model(paddle.to_tensor(ids, dtype="int64"), meta.positions, kv_caches, meta)
-        logits = model.compute_logits(hidden).numpy()
-        start = 0
-        for name, count in step:
-            produced[name].append(logits[start: start + count])
-            start += count
-            done[name] += count
+    produced = run_schedule(model, kv_caches, seqs, tables, TWO_SEQUENCE_SCHEDULE, block_size)
     for name, tokens in seqs.items():
-        ours = np.concatenate(produced[name])
+        ours = produced[name]
         expected = numpy_reference_logits(config, weights, tokens[: len(ours)])
         np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4, err_msg=f"{architecture} sequence {name}")
 

@@ -32,6 +32,7 @@ from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_
 from worker.loader import load_weights  # noqa: E402
 from worker.model_config import ModelConfig, default_model_path, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
+from tests.model_utils import TWO_SEQUENCE_SCHEDULE, run_schedule  # noqa: E402
 from worker.models.moe import MoEForCausalLM  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -285,20 +286,9 @@ def test_logits_match_dense_numpy_reference(variant: str, tmp_path, monkeypatch)
     rng = np.random.default_rng(5)
     seqs = {"a": rng.integers(0, config.vocab_size, 16).tolist(), "b": rng.integers(0, config.vocab_size, 12).tolist()}
     tables = {"a": [9, 3, 14, 0], "b": [2, 11, 6, 15]}
-    schedule = [[("a", 7), ("b", 9)], [("b", 1), ("a", 6)], [("b", 1), ("a", 1)], [("a", 1), ("b", 1)], [("a", 1)]]
-    done = {"a": 0, "b": 0}
-    produced: dict[str, list[np.ndarray]] = {"a": [], "b": []}
-    for step in schedule:
-        step_input = [(seqs[name][done[name]: done[name] + count], done[name] + count, tables[name])
-                      for name, count in step]
-        logits = forward_logits(model, kv_caches, step_input)
-        start = 0
-        for name, count in step:
-            produced[name].append(logits[start: start + count])
-            start += count
-            done[name] += count
+    produced = run_schedule(model, kv_caches, seqs, tables, TWO_SEQUENCE_SCHEDULE, BLOCK_SIZE)
     for name, tokens in seqs.items():
-        ours = np.concatenate(produced[name])
+        ours = produced[name]
         expected = reference_logits(hf, weights, tokens[: len(ours)])
         np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4, err_msg=f"{variant} sequence {name}")
 
