@@ -395,6 +395,24 @@ def test_rank_without_its_experts_weights_fails_to_load(tiny) -> None:
         model.load_weights(_local_weights(weights, [0]))
 
 
+def test_expert_parallel_rank_reads_only_its_experts(tiny) -> None:
+    config, weights, _model = tiny
+
+    class Fixed:
+        local_expert_ids = [3, 1]
+
+        def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
+            return tensor
+
+    model = get_model_class(config.architecture)(config, ep=Fixed())
+    loaded = load_weights(config, keep=model.needs_weight)
+    assert set(loaded) == set(_local_weights(weights, [1, 3]))
+    assert any(".experts.1." in name for name in loaded) and any(".experts.3." in name for name in loaded)
+    assert not any(".experts.0." in name or ".experts.2." in name for name in loaded)
+    model.load_weights(loaded)
+    assert sorted(model.local_expert_ids) == [1, 3]
+
+
 def test_invalid_local_expert_ids_are_rejected(tiny) -> None:
     config, _weights, _model = tiny
 

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import struct
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -47,16 +47,26 @@ _GGUF_LAYER_NAMES = {
 _GGUF_LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def load_weights(config: ModelConfig) -> dict[str, np.ndarray]:
-    """All weights of the checkpoint as contiguous float32 arrays under Hugging Face names."""
+def load_weights(config: ModelConfig, keep: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
+    """The checkpoint's weights as contiguous float32 arrays under Hugging Face names.
+
+    ``keep(name)`` False leaves that tensor unread (an expert-parallel rank skips the
+    other ranks' experts, which would otherwise be read, widened and dropped); the
+    completeness check covers only the kept names.
+    """
+    wanted = keep or _keep_all
     if config.format == "gguf":
-        weights = dict(_iter_gguf(config))
+        weights = dict(_iter_gguf(config, wanted))
     elif config.format == "safetensors":
-        weights = dict(_iter_safetensors(config))
+        weights = dict(_iter_safetensors(config, wanted))
     else:
         raise ValueError(f"unknown model format {config.format!r}")
-    _check_complete(config, weights)
+    _check_complete(config, weights, wanted)
     return weights
+
+
+def _keep_all(name: str) -> bool:
+    return True
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
@@ -96,8 +106,8 @@ def _moe_weight_suffixes(config: ModelConfig) -> list[str]:
     return suffixes
 
 
-def _check_complete(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
-    missing = [name for name in expected_weight_names(config) if name not in weights]
+def _check_complete(config: ModelConfig, weights: dict[str, np.ndarray], keep: Callable[[str], bool]) -> None:
+    missing = [name for name in expected_weight_names(config) if keep(name) and name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {config.path} lacks weights: {shown}")
@@ -128,7 +138,7 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, *tail).swapaxes(1, 2).reshape(out_features, *tail)
 
 
-def _iter_gguf(config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_gguf(config: ModelConfig, keep: Callable[[str], bool]) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
     from gguf.quants import dequantize
 
@@ -139,6 +149,8 @@ def _iter_gguf(config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is None:
             logger.warning("ignoring GGUF tensor %s (no Hugging Face counterpart is used)", tensor.name)
+            continue
+        if not keep(hf_name):
             continue
         # dequantize returns numpy (row-major) order, i.e. GGUF's reversed shape turned back to [out, in].
         array = dequantize(tensor.data, tensor.tensor_type)
@@ -172,12 +184,12 @@ def _bf16_tensor(path: str, entry: dict) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
 
 
-def _iter_safetensors(config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_safetensors(config: ModelConfig, keep: Callable[[str], bool]) -> Iterator[tuple[str, np.ndarray]]:
     from safetensors import safe_open
 
     tensors: list[tuple[str, str, dict]] = []
     for file_path in _safetensors_files(config):
-        tensors += [(file_path, name, entry) for name, entry in _safetensors_header(file_path).items()]
+        tensors += [(file_path, name, entry) for name, entry in _safetensors_header(file_path).items() if keep(name)]
     handles: dict[str, object] = {}
     for file_path, name, entry in tqdm(tensors, desc="Loading weights", unit="tensor"):
         if entry["dtype"] == "BF16":

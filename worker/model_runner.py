@@ -80,8 +80,8 @@ class ModelRunner:
         model_config = self.config.model_config
         model_class = get_model_class(model_config.architecture)
         model = model_class(model_config) if self.ep is None else model_class(model_config, ep=self.ep)
-        # The MoE model keeps only its local experts' tensors; the others are dropped with this dict.
-        model.load_weights(load_weights(model_config))
+        # An expert-parallel rank reads only its own experts' tensors from the checkpoint.
+        model.load_weights(load_weights(model_config, keep=model.needs_weight))
         model.eval()
         return model
 

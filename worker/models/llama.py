@@ -89,6 +89,10 @@ class LlamaForCausalLM(paddle.nn.Layer):
         ]
         self.load_embeddings(get)
 
+    def needs_weight(self, name: str) -> bool:
+        """Whether ``load_weights`` uses the checkpoint tensor ``name`` (the loader skips the others)."""
+        return True
+
     def layer_weights(self, get: WeightGetter, prefix: str, with_mlp: bool) -> _LayerWeights:
         """One decoder layer's attention (and, if ``with_mlp``, dense MLP) weights under ``prefix``."""
         config = self.config

@@ -36,6 +36,7 @@ Float32 only.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Mapping, Protocol, runtime_checkable
 
@@ -47,6 +48,9 @@ from worker.model_config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, WeightGetter, _LayerWeights, to_weight, weight_getter
 
 logger = logging.getLogger(__name__)
+
+# A routed expert's tensor in a Hugging Face MoE checkpoint: model.layers.L.mlp.experts.E.<proj>.weight
+_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 class ExpertParallel(Protocol):
@@ -214,6 +218,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         self._exchanges_tokens = isinstance(ep, TokenExchangeExpertParallel)
         # Fixed at construction: load_weights keeps only these experts' weights.
         self.local_expert_ids = _local_expert_ids(config, ep)
+        self._local_expert_set = frozenset(self.local_expert_ids)
         self._sparse: list[SparseMoeWeights | None] = []  # per layer; None for a dense-MLP layer
 
     # ------------------------------------------------------------------ weights
@@ -235,6 +240,11 @@ class MoEForCausalLM(LlamaForCausalLM):
             "MoE model loaded: %d layers (%d sparse), %d of %d experts local",
             len(layers), sum(block is not None for block in sparse), len(self.local_expert_ids), config.num_experts,
         )
+
+    def needs_weight(self, name: str) -> bool:
+        """Every tensor except the experts other expert-parallel ranks hold."""
+        match = _EXPERT_WEIGHT.search(name)
+        return match is None or int(match.group(1)) in self._local_expert_set
 
     def _sparse_weights(self, get: WeightGetter, prefix: str) -> SparseMoeWeights:
         router = get(prefix + "gate.weight")
