@@ -208,11 +208,14 @@ class Engine:
             self._stop_processes(self.workers)
             self._reset_cache_state()
             self.stats_restarts["worker_restarts"] += 1
+            # Published before the new process starts: once /health shows it, the count already includes it.
+            self._publish_stats()
             self.start_workers()
         else:
             self._stop_processes(self.cache_transfers)
             self._reset_cache_state(device_too=False)
             self.stats_restarts["cache_transfer_restarts"] += 1
+            self._publish_stats()
             self._start_cache_transfers(spawn)
         self._publish_stats()
 
