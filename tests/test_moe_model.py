@@ -381,30 +381,26 @@ def test_two_rank_expert_split_equals_single_process(tiny, reference_prompts, sp
     assert [ep.calls for ep in ranks] == [forwards * config.num_hidden_layers] * 2
 
 
+class OwnExperts:
+    """An expert-parallel rank holding ``local_expert_ids``, for loading only (its all-reduce is the identity)."""
+
+    def __init__(self, local_expert_ids: list[int]) -> None:
+        self.local_expert_ids = local_expert_ids
+
+    def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        return tensor
+
+
 def test_rank_without_its_experts_weights_fails_to_load(tiny) -> None:
     config, weights, _model = tiny
-
-    class Fixed:
-        local_expert_ids = [0, 1]
-
-        def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
-            return tensor
-
-    model = get_model_class(config.architecture)(config, ep=Fixed())
+    model = get_model_class(config.architecture)(config, ep=OwnExperts([0, 1]))
     with pytest.raises(KeyError, match=r"experts\.1\."):
         model.load_weights(_local_weights(weights, [0]))
 
 
 def test_expert_parallel_rank_reads_only_its_experts(tiny) -> None:
     config, weights, _model = tiny
-
-    class Fixed:
-        local_expert_ids = [3, 1]
-
-        def all_reduce_sum(self, tensor: paddle.Tensor) -> paddle.Tensor:
-            return tensor
-
-    model = get_model_class(config.architecture)(config, ep=Fixed())
+    model = get_model_class(config.architecture)(config, ep=OwnExperts([3, 1]))
     loaded = load_weights(config, keep=model.needs_weight)
     assert set(loaded) == set(_local_weights(weights, [1, 3]))
     assert any(".experts.1." in name for name in loaded) and any(".experts.3." in name for name in loaded)
