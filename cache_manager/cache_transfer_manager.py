@@ -54,7 +54,12 @@ from inter_communicator.messages import (
     TransferTask,
     WorkerShutdown,
 )
-from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
+from inter_communicator.process_utils import (
+    ParentWatcher,
+    ShutdownDeadline,
+    install_shutdown_handlers,
+    set_parent_death_signal,
+)
 from inter_communicator.shm import SharedArray
 
 logger = logging.getLogger(__name__)
@@ -69,6 +74,8 @@ STAGING_BLOCKS = 16
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
 # Give the engine time to receive the last TransferDone before the socket is dropped at exit.
 DONE_LINGER_MS = 500
+# Seconds between a stop request (signal, dead parent) and a forced exit if clean-up blocks.
+SHUTDOWN_GRACE_S = 15.0
 
 
 class TransferTaskError(ValueError):
@@ -439,6 +446,7 @@ def run_cache_transfer(config: EngineConfig, tp_rank: int, task_addr: str, done_
     setup_logging("cache_transfer", tp_rank)
     stop_event = threading.Event()
     install_shutdown_handlers(stop_event.set)
+    ShutdownDeadline(stop_event, SHUTDOWN_GRACE_S).start()
     watcher = _arm_parent_death(stop_event)
     manager = None
     try:

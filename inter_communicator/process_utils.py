@@ -13,7 +13,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
+
+from inter_communicator.shm import unlink_created
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +171,29 @@ def install_shutdown_handlers(callback: Callable[[], object]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)
     signal.signal(PARENT_DEATH_SIGNAL, handle_parent_death)
+
+
+class ShutdownDeadline(threading.Thread):
+    """Daemon thread bounding a process's shutdown: once ``stop_event`` is set, the process has
+    ``grace_s`` seconds to exit; after that the thread unlinks the IPC objects the process
+    created (``shm.unlink_created``) and ends it with ``os._exit(1)``.
+
+    Why: a process whose parent died must not outlive it even when one clean-up step blocks
+    (a full-suite CI run once saw a cache transfer process stay alive 40 s after its parent's
+    SIGKILL). An orderly exit simply ends the process and this daemon thread with it.
+    """
+
+    def __init__(self, stop_event: threading.Event, grace_s: float) -> None:
+        super().__init__(name="shutdown-deadline", daemon=True)
+        if grace_s <= 0:
+            raise ValueError(f"ShutdownDeadline grace_s must be positive, got {grace_s}")
+        self._stop_event = stop_event
+        self.grace_s = grace_s
+
+    def run(self) -> None:
+        self._stop_event.wait()
+        time.sleep(self.grace_s)
+        logger.error("shutdown did not finish within %.0f s; unlinking this process's IPC objects and exiting",
+                     self.grace_s)
+        unlink_created()
+        os._exit(1)

@@ -325,3 +325,35 @@ def test_first_signal_runs_callback_second_kills() -> None:
             child.kill()
             child.wait(WAIT_SECONDS)
         child.stdout.close()
+
+
+STUCK_SHUTDOWN = """
+    import sys, threading
+    import numpy as np
+    from inter_communicator.process_utils import ShutdownDeadline
+    from inter_communicator.shm import SharedArray
+    segment = SharedArray(sys.argv[1], (4,), np.float32, create=True)
+    stop = threading.Event()
+    ShutdownDeadline(stop, grace_s=0.5).start()
+    stop.set()
+    print("stopping", flush=True)
+    threading.Event().wait()  # a clean-up step that never returns
+"""
+
+
+def test_shutdown_deadline_ends_a_stuck_process_and_unlinks_its_segments(instance_id: str) -> None:
+    name = ipc_name(instance_id, "stuck")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STUCK_SHUTDOWN), name],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stopping"
+        assert proc.wait(WAIT_SECONDS) == 1
+        assert "shutdown did not finish" in proc.stderr.read()
+        assert entries_of(instance_id) == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_SECONDS)
+        proc.stdout.close()
+        proc.stderr.close()
