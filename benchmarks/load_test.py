@@ -51,6 +51,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.server_utils import expected_prefix, load_reference  # noqa: E402  (needs ROOT on sys.path)
+from serving import SSEStream, stream_error  # noqa: E402  (benchmarks/serving.py, beside this file)
 
 logger = logging.getLogger(__name__)
 
@@ -163,18 +164,11 @@ def completion_problem(plan: PlannedRequest, outcome: Outcome) -> str | None:
 
 async def read_stream(resp: aiohttp.ClientResponse, plan: PlannedRequest, outcome: Outcome) -> None:
     """Consume the SSE stream into ``outcome``; close the connection early if the plan says so."""
-    saw_done = False
-    async for raw_line in resp.content:
-        line = raw_line.decode("utf-8", errors="replace").strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            saw_done = True
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            outcome.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+    events = SSEStream(resp)
+    async for chunk in events:
+        error = stream_error(chunk)
+        if error:
+            outcome.error = error
             return
         for choice in chunk.get("choices") or []:
             outcome.chunks += 1
@@ -187,7 +181,7 @@ async def read_stream(resp: aiohttp.ClientResponse, plan: PlannedRequest, outcom
             resp.close()  # drops the TCP connection: the server must abort the request and free its blocks
             outcome.status = "cancelled"
             return
-    if not saw_done:
+    if not events.done:
         outcome.error = "stream ended without data: [DONE]"
         return
     outcome.error = completion_problem(plan, outcome)

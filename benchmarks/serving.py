@@ -112,24 +112,41 @@ async def send_request(session: aiohttp.ClientSession, config: Config, prompt: l
     return result
 
 
-async def read_stream(resp: aiohttp.ClientResponse, result: RequestResult, start: float) -> None:
-    """Consume server-sent events, timing the first text chunk and counting tokens.
+class SSEStream:
+    """The JSON events of a server-sent-event response, in order, up to ``data: [DONE]``.
 
-    The body is read to its end even after ``[DONE]``, so the response completes cleanly.
+    Iterating reads the body to its end, also past ``[DONE]``, so the response completes
+    cleanly; ``done`` tells whether ``[DONE]`` came. Shared with ``load_test.py``.
     """
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.done = False
+
+    async def __aiter__(self):
+        async for raw_line in self.resp.content:
+            line = raw_line.decode("utf-8", errors="replace").strip()
+            if self.done or not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                self.done = True
+                continue
+            yield json.loads(data)
+
+
+def stream_error(chunk: dict) -> str | None:
+    """The error an event carries (a server's mid-stream failure), as one bounded line."""
+    return f"stream error: {json.dumps(chunk['error'])[:300]}" if "error" in chunk else None
+
+
+async def read_stream(resp: aiohttp.ClientResponse, result: RequestResult, start: float) -> None:
+    """Consume server-sent events, timing the first text chunk and counting tokens."""
     text_chunks = 0
-    done = False
-    async for raw_line in resp.content:
-        line = raw_line.decode("utf-8", errors="replace").strip()
-        if done or not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            done = True
-            continue
-        chunk = json.loads(data)
-        if "error" in chunk:
-            result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+    async for chunk in SSEStream(resp):
+        error = stream_error(chunk)
+        if error:
+            result.error = error
             return
         if any(choice.get("text") for choice in chunk.get("choices") or []):
             text_chunks += 1
