@@ -201,23 +201,21 @@ class Engine:
         if self.config.args.enable_expert_parallel and exc.role == "worker":
             raise WorkerDied(f"{exc}; an expert-parallel worker cannot be restarted alone", exc.role)
         logger.error("%s; restarting it", exc)
-        spawn = multiprocessing.get_context("spawn")
         if exc.role == "worker":
             self._fail_running("the worker process died during this request; please retry")
             self._stop_processes(self.cache_transfers)
             self._stop_processes(self.workers)
             self._reset_cache_state()
-            self.stats_restarts["worker_restarts"] += 1
-            # Published before the new process starts: once /health shows it, the count already includes it.
-            self._publish_stats()
-            self.start_workers()
+            counter, start = "worker_restarts", self.start_workers
         else:
             self._stop_processes(self.cache_transfers)
             self._reset_cache_state(device_too=False)
-            self.stats_restarts["cache_transfer_restarts"] += 1
-            self._publish_stats()
-            self._start_cache_transfers(spawn)
+            spawn = multiprocessing.get_context("spawn")
+            counter, start = "cache_transfer_restarts", lambda: self._start_cache_transfers(spawn)
+        self.stats_restarts[counter] += 1
+        # Published before the new process starts: once /health shows it, the count already includes it.
         self._publish_stats()
+        start()
 
     def _fail_running(self, reason: str) -> None:
         self.scheduler.discard_inflight()
