@@ -23,6 +23,9 @@ def _opt_str(value: str) -> str | None:
 _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_USE_KVCACHE_LOCK": (_bool, False, "Hold a cross-process lock around execute_model and KV-cache transfers."),
     "FD_KVCACHE_LOCK_TIMEOUT": (float, 10.0, "Seconds a lock waiter waits before checking whether the holder died."),
+    "FD_KVCACHE_LOCK_FAULT": (_opt_str, None, "TEST ONLY: '<point>[:kill|stop][@n]' makes a process SIGKILL (or "
+                              "SIGSTOP) itself the n-th time (default 1) it passes <point> of the KV-cache lock: "
+                              "after_sem_wait, after_claim, release_cleared, release_posted."),
     "FD_KVCACHE_SANITIZER": (_bool, False, "Check block states before every KV-cache access; fail loudly on violation."),
     "FD_KVCACHE_FAULT_EARLY_SCHEDULE": (_bool, False, "TEST ONLY: schedule a request once its prefetch/swap-in has "
                                         "started instead of finished (the race the sanitizer must catch)."),

@@ -12,6 +12,7 @@ Objects (instance ``I``, DP rank ``r``):
 - ``fd.I.kvcache_lock_record.r`` -- a small int64 shared-memory record: owner pid, owner
   thread, owner start time, owner role code, acquire time (CLOCK_MONOTONIC ns, system-wide on
   Linux), a generation number bumped on every acquisition, and the counters read by ``stats()``.
+  "No owner recorded" means owner pid 0; a release zeroes all four owner fields.
 - The *guard*: ``flock`` on the record segment's file. Every write of the record happens under
   it. A second semaphore as guard would have the very problem we solve here (a process killed
   while holding it blocks everybody); the kernel drops an ``flock`` when its holder dies, so
@@ -24,22 +25,26 @@ Protocol:
 - Fast path (uncontended): under the guard, ``sem.acquire(0)``; on success write the owner
   record before leaving the guard. Holding the lock without a recorded owner is therefore only
   possible for a process that dies inside that guard section.
-- Release: under the guard, add the hold time, clear the owner, ``sem.release()``. Clearing and
-  posting are one step for anyone who looks at the record under the guard.
+- Release: under the guard, add the hold time, clear every owner field, ``sem.release()``.
+  Clearing and posting are one step for anyone who looks at the record under the guard; a
+  holder killed between the two (inside the guard) leaves an ownerless taken lock, recovered
+  like the claim window below.
 - Slow path: block in ``sem.acquire(T)`` (``T`` = ``FD_KVCACHE_LOCK_TIMEOUT``; never spins).
   On success the waiter "claims" its unit under the guard (records itself). Each time a full
   period ``T`` passes without the unit, the waiter looks at the record:
   * owner recorded and alive (pid + start time, so a reused pid does not count): keep waiting,
     log a warning (at most one per period);
   * owner recorded and dead: recover. Under the guard, compare-and-swap: if the record still
-    names the same dead owner and generation and the semaphore is still 0, write ourselves as
+    names the same owner pid and generation (the pair names one hold; the generation changes on
+    every acquisition), that owner is still dead and the semaphore is still 0, write ourselves as
     owner. The semaphore is not touched: the dead process's unit simply becomes ours, so its
     value never exceeds 1. Two waiters that detect the same dead owner serialise on the guard;
     the second sees the record changed and keeps waiting -- only one proceeds;
-  * no owner recorded while the semaphore is taken: some process is between ``sem_wait``
-    returning and its claim. If the record stays ownerless with the same generation for a
-    whole further period ``T``, that process died there (a claim takes microseconds): recover
-    as above, and stamp ``last ownerless recovery`` with the time.
+  * no owner recorded (pid 0) while the semaphore is taken: some process is between
+    ``sem_wait`` returning and its claim, or died in release between clearing and posting. If
+    the record stays ownerless with the same generation for a whole further period ``T``, that
+    process died there (a claim takes microseconds): recover as above (expecting pid 0 and that
+    generation, whatever was held before), and stamp ``last ownerless recovery`` with the time.
 - A live waiter that was merely *stalled* between ``sem_wait`` and its claim for that long would
   now find, under the guard, either another owner recorded or an ownerless recovery stamped at
   or after the moment it woke. It then knows its unit was handed to the recoverer: it does not
@@ -53,9 +58,24 @@ Protocol:
 The lock is not fair: a releasing process may take it again before a woken waiter runs. The
 worker releases between steps and then waits for its next batch, which leaves waiters room.
 
-A holder that dies between taking the semaphore and writing its owner record (it can only die
-inside the guard section) therefore costs waiters about 2*T, then one of them recovers the lock
-and logs it; it never deadlocks. A live holder that is just slow is never robbed.
+A holder that dies between taking the semaphore and writing its owner record, or inside
+release between clearing it and posting, therefore costs waiters about 2*T, then one of them
+recovers the lock and logs it; it never deadlocks. A live holder that is just slow is never
+robbed.
+
+Identity: a holder is its pid plus its start time read from /proc (so a pid reused after the
+holder died is not taken for it). A handle is refused (``KVCacheLockError`` at create/attach)
+when the process cannot read its own start time, so no owner is ever recorded without one. If
+/proc becomes unreadable later, a waiter recovers from an owner whose pid no longer exists
+(signal 0) but never from one whose pid exists: it logs an error each period and keeps waiting,
+because it cannot tell the live holder from a reused pid.
+
+Fault injection (tests only): ``FD_KVCACHE_LOCK_FAULT=<point>[:kill|stop][@n]`` makes a process
+send itself SIGKILL or SIGSTOP the n-th time one handle passes a point: ``after_sem_wait`` (unit
+taken, owner not recorded; inside the guard on the fast path, outside it after a blocking wait),
+``after_claim`` (owner recorded, guard dropped), ``release_cleared`` (owner cleared, not yet
+posted, inside the guard), ``release_posted`` (posted, still inside the guard). SIGSTOP inside
+the guard freezes every user of the lock for as long as the process stays stopped.
 
 Misuse raises ``KVCacheLockError`` (never ``assert``, which ``python -O`` strips): release by a
 thread or process that does not hold it, re-entrant acquire by the holding thread (also through
@@ -68,6 +88,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
@@ -78,7 +99,7 @@ import numpy as np
 import posix_ipc
 
 import envs
-from inter_communicator.process_utils import pid_start_time, process_alive
+from inter_communicator.process_utils import PROC_ROOT, ProcUnreadableError, pid_start_time, process_alive
 from inter_communicator.shm import SharedArray, ipc_name, register_created_semaphore
 
 logger = logging.getLogger(__name__)
@@ -129,6 +150,41 @@ class KVCacheLockError(RuntimeError):
 
 class KVCacheLockTimeout(KVCacheLockError):
     """``hold(..., timeout=...)`` did not get the lock in time."""
+
+
+# Test-only fault points (FD_KVCACHE_LOCK_FAULT), in protocol order.
+FAULT_POINTS = ("after_sem_wait", "after_claim", "release_cleared", "release_posted")
+_FAULT_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+class _Fault:
+    """A test-only fault: the process sends itself SIGKILL (dies) or SIGSTOP (freezes, alive) the
+    ``nth`` time this handle passes ``point``. Real signals, so recovery is tested against what a
+    crash or a frozen process really leaves behind (guard dropped by the kernel or kept)."""
+
+    __slots__ = ("point", "action", "nth", "passes")
+
+    def __init__(self, spec: str) -> None:
+        body, _, nth = spec.strip().partition("@")
+        point, _, action = body.partition(":")
+        action = action or "kill"
+        if point not in FAULT_POINTS or action not in _FAULT_SIGNALS:
+            raise ValueError(f"FD_KVCACHE_LOCK_FAULT={spec!r}: expected <point>[:kill|stop][@n] with point one of "
+                             f"{FAULT_POINTS}")
+        self.point, self.action = point, action
+        self.nth = int(nth) if nth else 1
+        if self.nth < 1:
+            raise ValueError(f"FD_KVCACHE_LOCK_FAULT={spec!r}: n must be >= 1")
+        self.passes = 0
+
+    def hit(self, point: str) -> None:
+        if point != self.point:
+            return
+        self.passes += 1
+        if self.passes == self.nth:
+            logger.warning("kvcache lock fault injection: pid %d sends itself SIG%s at %s (pass %d)", os.getpid(),
+                           self.action.upper(), point, self.passes)
+            os.kill(os.getpid(), _FAULT_SIGNALS[self.action])
 
 
 # Handles of this process, so a forked child can disable the ones it inherited.
@@ -204,7 +260,7 @@ class KVCacheLock:
     enabled = True
 
     def __init__(self, instance_id: str, dp_rank: int, role: str, *, create: bool,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, proc_root: str = PROC_ROOT) -> None:
         self.role = role
         self._role_code = _role_code(role)
         self.timeout = _check_timeout(envs.FD_KVCACHE_LOCK_TIMEOUT if timeout is None else timeout)
@@ -212,7 +268,10 @@ class KVCacheLock:
         self.name = ipc_name(instance_id, LOCK_NAME, dp_rank)
         self.created = bool(create)
         self._pid = os.getpid()
-        self._start_time = pid_start_time(self._pid) or 0
+        self._proc_root = proc_root
+        self._start_time = self._own_start_time()
+        spec = envs.FD_KVCACHE_LOCK_FAULT
+        self._fault = _Fault(spec) if spec else None
         self._unusable: str | None = None
         self._local = threading.Lock()
         self._holder_ident: int | None = None
@@ -235,18 +294,35 @@ class KVCacheLock:
         _live_locks.add(self)
 
     @classmethod
-    def create(cls, instance_id: str, dp_rank: int, role: str = "engine",
-               timeout: float | None = None) -> "KVCacheLock":
+    def create(cls, instance_id: str, dp_rank: int, role: str = "engine", timeout: float | None = None,
+               proc_root: str = PROC_ROOT) -> "KVCacheLock":
         """Create the semaphore and record of this rank (fails if they exist: ``sweep_stale`` first).
 
         The names are registered for ``shm.unlink_created``; ``unlink()`` removes them too.
+        ``proc_root`` is where process start times are read (a parameter for tests).
         """
-        return cls(instance_id, dp_rank, role, create=True, timeout=timeout)
+        return cls(instance_id, dp_rank, role, create=True, timeout=timeout, proc_root=proc_root)
 
     @classmethod
-    def attach(cls, instance_id: str, dp_rank: int, role: str, timeout: float | None = None) -> "KVCacheLock":
+    def attach(cls, instance_id: str, dp_rank: int, role: str, timeout: float | None = None,
+               proc_root: str = PROC_ROOT) -> "KVCacheLock":
         """Open the lock created by launch/engine. ``role`` is one of ``ROLES``."""
-        return cls(instance_id, dp_rank, role, create=False, timeout=timeout)
+        return cls(instance_id, dp_rank, role, create=False, timeout=timeout, proc_root=proc_root)
+
+    def _own_start_time(self) -> int:
+        """This process's start time; refuses to build a handle without it (see "Identity")."""
+        try:
+            start = pid_start_time(self._pid, self._proc_root)
+        except ProcUnreadableError as exc:
+            reason = str(exc)
+        else:
+            if start is not None:
+                return start
+            reason = f"{self._proc_root}/{self._pid}/stat does not exist"
+        raise KVCacheLockError(
+            f"kvcache lock {self.name}: cannot read this process's start time ({reason}). The lock tells a live "
+            f"holder from a dead one (or from a reused pid) by pid + start time and will not run without a "
+            f"readable {self._proc_root}; mount procfs or run with FD_USE_KVCACHE_LOCK=0")
 
     def _open(self, record_name: str) -> None:
         self._record = SharedArray(record_name, _NUM_FIELDS, np.int64, create=self.created)
@@ -294,6 +370,7 @@ class KVCacheLock:
                                    "already holds it (it would deadlock); release it first")
         if timeout is not None and timeout < 0:
             raise ValueError(f"acquire timeout must be >= 0 or None, got {timeout}")
+        acquired = False
         with self._local:
             fcntl.flock(self._guard_fd, fcntl.LOCK_EX)
             try:
@@ -302,13 +379,19 @@ class KVCacheLock:
                 except posix_ipc.BusyError:
                     pass
                 else:
+                    if self._fault is not None:
+                        self._fault.hit("after_sem_wait")
                     self._record_claim(time.monotonic_ns(), wait_ns=0, contended=False)
-                    return True
+                    acquired = True
             finally:
                 fcntl.flock(self._guard_fd, fcntl.LOCK_UN)
-        if timeout == 0:
-            return False
-        return self._acquire_blocking(timeout, what)
+        if not acquired:
+            if timeout == 0:
+                return False
+            acquired = self._acquire_blocking(timeout, what)
+        if acquired and self._fault is not None:
+            self._fault.hit("after_claim")
+        return acquired
 
     def _acquire_blocking(self, timeout: float | None, what: str) -> bool:
         self._refuse_self_deadlock(what)
@@ -335,6 +418,9 @@ class KVCacheLock:
                 logger.debug("kvcache lock %s: wait interrupted by a signal; waiting again", self.name)
                 continue
             woke_ns = time.monotonic_ns()
+            if self._fault is not None:
+                # After reading the clock: a process frozen here is one the hand-over rule covers.
+                self._fault.hit("after_sem_wait")
             if self._claim_woken_unit(start, woke_ns, what):
                 return True
 
@@ -349,6 +435,7 @@ class KVCacheLock:
                       ownerless: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
         """One full period passed without the lock: judge the owner. Returns (acquired, ownerless)."""
         rec = self._rec
+        # Unguarded reads (may be torn): _recover re-checks under the guard before acting.
         pid, owner_start, generation = rec[_F_OWNER_PID], rec[_F_OWNER_START], rec[_F_GENERATION]
         now = time.monotonic_ns()
         if pid == 0:
@@ -358,26 +445,45 @@ class KVCacheLock:
                 return False, (generation, now)
             if now - ownerless[1] < self._timeout_ns:
                 return False, ownerless
-            return self._recover(start, what, (0, 0, generation)), None
-        if process_alive(pid, owner_start or None):
+            return self._recover(start, what, (0, generation)), None
+        alive = self._owner_alive(pid, owner_start)
+        if alive is None:
+            logger.error("kvcache lock %s: %s has waited %.1fs; cannot tell whether holder pid %d is alive because "
+                         "%s is unreadable, so the lock is not taken from it", self.name, what,
+                         (now - start) / _NS_PER_S, pid, self._proc_root)
+            return False, None
+        if alive:
             held_s = (now - rec[_F_ACQUIRED_NS]) / _NS_PER_S
             logger.warning("kvcache lock %s: %s has waited %.1fs; held by pid %d (%s) for %.1fs", self.name, what,
                            (now - start) / _NS_PER_S, pid, _role_name(rec[_F_OWNER_ROLE]), held_s)
             return False, None
-        return self._recover(start, what, (pid, owner_start, generation)), None
+        return self._recover(start, what, (pid, generation)), None
 
-    def _recover(self, start: int, what: str, expected: tuple[int, int, int]) -> bool:
-        """Take over the unit of a dead (or never recorded) holder: compare-and-swap under the guard."""
+    def _owner_alive(self, pid: int, owner_start: int) -> bool | None:
+        """Whether the recorded owner still runs; None if that cannot be known (procfs unreadable
+        and the pid exists: it may be reused, or the live owner)."""
+        try:
+            return process_alive(pid, owner_start or None, self._proc_root)
+        except ProcUnreadableError:
+            return None
+
+    def _recover(self, start: int, what: str, expected: tuple[int, int]) -> bool:
+        """Take over the unit of a dead (or never recorded) holder: compare-and-swap under the guard.
+
+        ``expected`` is (owner pid, generation): the generation is bumped by every acquisition, so
+        the pair names one hold; the pid is 0 for "no owner recorded" whatever the other owner
+        fields say (a holder can die inside release with some of them not yet cleared).
+        """
         with self._local:
             fcntl.flock(self._guard_fd, fcntl.LOCK_EX)
             try:
                 rec = self._rec
                 pid, owner_start = rec[_F_OWNER_PID], rec[_F_OWNER_START]
-                if (pid, owner_start, rec[_F_GENERATION]) != expected:
+                if (pid, rec[_F_GENERATION]) != expected:
                     return False  # another waiter recovered first, or the lock changed hands
                 if self._sem.value != 0:
                     return False  # released meanwhile: the ordinary wait gets it
-                if pid != 0 and process_alive(pid, owner_start or None):
+                if pid != 0 and self._owner_alive(pid, owner_start) is not False:
                     return False
                 role = _role_name(rec[_F_OWNER_ROLE]) if pid else None
                 now = time.monotonic_ns()
@@ -465,9 +571,18 @@ class KVCacheLock:
                 rec[_F_HOLD_NS_TOTAL] += held_ns
                 if held_ns > rec[_F_MAX_HOLD_NS]:
                     rec[_F_MAX_HOLD_NS] = held_ns
+                # Every owner field goes, so the record of a released lock looks the same after any
+                # number of holds (the owner pid alone is what recovery reads as "no owner").
                 rec[_F_OWNER_PID] = 0
+                rec[_F_OWNER_TID] = 0
+                rec[_F_OWNER_START] = 0
+                rec[_F_OWNER_ROLE] = 0
                 self._holder_ident = None
+                if self._fault is not None:
+                    self._fault.hit("release_cleared")
                 self._sem.release()
+                if self._fault is not None:
+                    self._fault.hit("release_posted")
             finally:
                 fcntl.flock(self._guard_fd, fcntl.LOCK_UN)
 

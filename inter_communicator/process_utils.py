@@ -1,13 +1,16 @@
 """Process lifetime helpers shared by every fdserve process.
 
 Owns: making a child die with its parent (``set_parent_death_signal`` plus ``ParentWatcher``),
-telling a live process from a dead one or a reused pid (``pid_start_time``, ``process_alive``),
+telling a live process from a dead one or a reused pid (``pid_start_time``, ``process_alive``; both
+take the procfs root as a parameter and raise ``ProcUnreadableError`` rather than guess when it
+cannot be read),
 and the SIGINT/SIGTERM shutdown hook (``install_shutdown_handlers``).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import signal
@@ -91,38 +94,72 @@ class ParentWatcher(threading.Thread):
         self._stopped.set()
 
 
-def _read_stat_fields(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat, or None if there is no such process."""
+PROC_ROOT = "/proc"
+
+
+class ProcUnreadableError(OSError):
+    """The proc filesystem cannot be read, so a process's start time (its identity) is unknown."""
+
+
+def proc_readable(proc_root: str = PROC_ROOT) -> bool:
+    """True if ``<proc_root>/self/stat`` can be read (procfs mounted and accessible)."""
+    return os.access(f"{proc_root}/self/stat", os.R_OK)
+
+
+def _read_stat_fields(pid: int, proc_root: str = PROC_ROOT) -> list[str] | None:
+    """Fields 3.. of <proc_root>/<pid>/stat, or None if there is no such process.
+
+    Raises ``ProcUnreadableError`` when the file cannot be read for another reason (no procfs,
+    no permission): a missing file must not be taken for a dead process then.
+    """
+    path = f"{proc_root}/{pid}/stat"
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read().decode("ascii", errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        if not proc_readable(proc_root):
+            raise ProcUnreadableError(exc.errno, f"cannot read {path}: {proc_root} is not a readable procfs") from exc
         return None
+    except OSError as exc:
+        raise ProcUnreadableError(exc.errno, f"cannot read {path}: {exc.strerror}") from exc
     # comm (field 2) may contain spaces and parentheses; it ends at the last ')'.
     return raw[raw.rindex(")") + 1 :].split()
 
 
-def pid_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (stat field 22); None if it does not exist."""
+def pid_start_time(pid: int, proc_root: str = PROC_ROOT) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (stat field 22); None if it does not exist.
+
+    Raises ``ProcUnreadableError`` if ``proc_root`` cannot be read (the start time is unknown,
+    which is not the same as "no such process").
+    """
     if pid <= 0:
         return None
-    fields = _read_stat_fields(pid)
+    fields = _read_stat_fields(pid, proc_root)
     if fields is None:
         return None
     return int(fields[_STAT_STARTTIME_FIELD - _STAT_FIRST_FIELD_AFTER_COMM])
 
 
-def process_alive(pid: int, start_time: int | None) -> bool:
+def process_alive(pid: int, start_time: int | None, proc_root: str = PROC_ROOT) -> bool:
     """True if ``pid`` runs, is not a zombie, and (when given) started at ``start_time``.
 
     The start time distinguishes the recorded owner from an unrelated process that got the
-    same pid after the owner died.
+    same pid after the owner died. Without a readable ``proc_root`` only existence can be
+    checked (signal 0, no zombie check): a missing pid is still reported dead, and so is an
+    existing one when no ``start_time`` is asked for; but an existing pid with a ``start_time``
+    raises ``ProcUnreadableError``, because it may be a reused pid and guessing either way is
+    wrong (a lock would rob a live holder, or wait on an unrelated process forever).
     """
     if pid <= 0:
         return False
-    if not os.path.isdir("/proc/self"):
-        return _signal_zero_alive(pid)
-    fields = _read_stat_fields(pid)
+    if not proc_readable(proc_root):
+        if not _signal_zero_alive(pid):
+            return False
+        if start_time is None:
+            return True
+        raise ProcUnreadableError(errno.EACCES, f"{proc_root} is not readable: cannot tell whether pid {pid} is "
+                                  f"still the process that started at tick {start_time}")
+    fields = _read_stat_fields(pid, proc_root)
     if fields is None:
         return False
     if fields[0] in _DEAD_STATES:

@@ -5,6 +5,7 @@ fresh instance id; fixtures kill leftover children and remove every /dev/shm ent
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -24,12 +25,14 @@ import posix_ipc
 import pytest
 
 from inter_communicator.kvcache_lock import (
+    FAULT_POINTS,
     KVCacheLock,
     KVCacheLockError,
     KVCacheLockTimeout,
     NullKVCacheLock,
     kvcache_lock_for,
 )
+from inter_communicator.process_utils import ProcUnreadableError, pid_start_time, process_alive
 from inter_communicator.shm import SharedArray, ipc_name, sweep_stale, unlink_created
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -154,6 +157,24 @@ def _child_release_without_holding(iid: str, queue) -> None:
     else:
         queue.put(None)
     lock.close()
+
+
+def _child_cycles_with_fault(iid: str, spec: str, cycles: int, timeout: float, about_to_wait=None) -> None:
+    """Hold/release ``cycles`` times with FD_KVCACHE_LOCK_FAULT=``spec`` armed; exit 5 if it never fired.
+
+    With ``about_to_wait``, signal it right before the first acquire (the test holds the lock, so
+    that acquire blocks in sem_wait and the slow path is the one that passes the fault point).
+    """
+    os.environ["FD_KVCACHE_LOCK_FAULT"] = spec  # read when the handle is built (envs.py)
+    lock = KVCacheLock.attach(iid, 0, "worker", timeout=timeout)
+    if about_to_wait is not None:
+        about_to_wait.set()
+    for _ in range(cycles):
+        with lock.hold("execute_model"):
+            time.sleep(CRITICAL_SECTION_SLEEP)
+    lock.close()
+    if lock._fault.passes < lock._fault.nth:
+        raise SystemExit(5)
 
 
 # --- mutual exclusion ---------------------------------------------------------------------------
@@ -474,3 +495,193 @@ def test_names_modes_and_unlink(instance_id: str) -> None:
     with pytest.raises(FileNotFoundError):
         KVCacheLock.attach(instance_id, 0, "worker")
     assert entries_of(instance_id) == set()
+
+
+# --- fault points: a holder killed or frozen anywhere in the protocol ---------------------------
+
+FAULT_TIMEOUT = 0.3
+PRIOR_CYCLES = 3  # holds before the fault, so the record has had owners and been released
+
+
+def wait_stopped(pid: int) -> None:
+    """Until ``pid`` is in state T (it sent itself SIGSTOP)."""
+    deadline = time.monotonic() + JOIN_SECONDS
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} never stopped")
+        time.sleep(0.01)
+
+
+def assert_guard_free(iid: str) -> None:
+    """Fail (rather than hang) if a stopped child froze inside the guard, i.e. took the fast path."""
+    fd = os.open(SHM_DIR / f"fd.{iid}.kvcache_lock_record.0", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise AssertionError("the child froze inside the guard: it did not wait in sem_wait as set up") from None
+    finally:
+        os.close(fd)
+
+
+def only_one_unit(lock: KVCacheLock, iid: str) -> None:
+    """While ``lock`` holds the lock, no other handle gets a unit: the semaphore never went to 2."""
+    assert lock.stats()["semaphore_value"] == 0
+    other = KVCacheLock.attach(iid, 0, "test", timeout=FAULT_TIMEOUT)
+    try:
+        assert other.acquire(timeout=0) is False, "a second unit exists"
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_holder_killed_at_each_point_after_prior_holds_is_recovered(instance_id: str, procs: list,
+                                                                   point: str) -> None:
+    lock = KVCacheLock.create(instance_id, 0, role="test", timeout=FAULT_TIMEOUT)
+    for _ in range(PRIOR_CYCLES):
+        with lock.hold("before"):
+            pass
+    child = start(procs, _child_cycles_with_fault, instance_id, f"{point}:kill@{PRIOR_CYCLES + 1}",
+                  PRIOR_CYCLES + 3, FAULT_TIMEOUT)
+    child.join(JOIN_SECONDS)
+    assert child.exitcode == -signal.SIGKILL, f"the fault at {point} did not kill the child ({child.exitcode})"
+    left = lock.stats()
+    # The fatal pass counts as an acquisition unless the child died before recording itself.
+    assert left["acquisitions"] == 2 * PRIOR_CYCLES + (0 if point == "after_sem_wait" else 1)
+    assert left["semaphore_value"] == (1 if point == "release_posted" else 0)
+    assert left["owner_pid"] == (child.pid if point == "after_claim" else 0)
+
+    begin = time.monotonic()
+    assert lock.acquire(timeout=2 * FAULT_TIMEOUT + 10 * MARGIN_SECONDS, what="recover"), f"never recovered ({point})"
+    elapsed = time.monotonic() - begin
+    try:
+        only_one_unit(lock, instance_id)
+    finally:
+        lock.release()
+    stats = lock.stats()
+    if point == "release_posted":  # the unit was returned before death: nothing to recover
+        assert elapsed < MARGIN_SECONDS and stats["recoveries"] == 0
+    elif point == "after_claim":  # a recorded dead owner: one period
+        assert FAULT_TIMEOUT * 0.9 <= elapsed < FAULT_TIMEOUT + MARGIN_SECONDS
+        assert stats["recoveries"] == 1
+    else:  # ownerless: one period to notice, a further one to be sure
+        assert 2 * FAULT_TIMEOUT * 0.9 <= elapsed < 2 * FAULT_TIMEOUT + MARGIN_SECONDS
+        assert stats["recoveries"] == 1
+    assert stats["semaphore_value"] == 1 and not stats["held"]
+    with lock.hold("after"):  # and the lock keeps working
+        only_one_unit(lock, instance_id)
+    assert lock.stats()["semaphore_value"] == 1
+
+
+def test_frozen_live_holder_is_never_robbed(instance_id: str, procs: list,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOCK_LOGGER)
+    lock = KVCacheLock.create(instance_id, 0, role="test", timeout=FAULT_TIMEOUT)
+    for _ in range(PRIOR_CYCLES):
+        with lock.hold("before"):
+            pass
+    child = start(procs, _child_cycles_with_fault, instance_id, "after_claim:stop@2", 4, FAULT_TIMEOUT)
+    wait_stopped(child.pid)
+    assert lock.stats()["owner_pid"] == child.pid
+    with pytest.raises(KVCacheLockTimeout):
+        with lock.hold("execute_model", timeout=6 * FAULT_TIMEOUT):
+            pass
+    assert lock.stats()["recoveries"] == 0 and lock.stats()["owner_pid"] == child.pid
+    assert any(f"held by pid {child.pid} (worker)" in r.getMessage() for r in caplog.records)
+    os.kill(child.pid, signal.SIGCONT)
+    join_ok(child)  # it finishes its holds: nobody took its unit
+    stats = lock.stats()
+    assert stats["recoveries"] == 0 and stats["semaphore_value"] == 1
+    assert stats["acquisitions"] == PRIOR_CYCLES + 4
+
+
+def test_waiter_frozen_after_sem_wait_hands_its_unit_over(instance_id: str, procs: list) -> None:
+    """A real process stopped between sem_wait and its claim: recovered after 2*T; once it runs
+    again it sees the recovery, does not also hold, and gets the lock normally later."""
+    lock = KVCacheLock.create(instance_id, 0, role="test", timeout=FAULT_TIMEOUT)
+    for _ in range(PRIOR_CYCLES):
+        with lock.hold("before"):
+            pass
+    about_to_wait = SPAWN.Event()
+    with lock.hold("keep the child waiting"):
+        child = start(procs, _child_cycles_with_fault, instance_id, "after_sem_wait:stop", 2, FAULT_TIMEOUT,
+                      about_to_wait)
+        assert about_to_wait.wait(JOIN_SECONDS)
+        time.sleep(1.0)  # the child is now in sem_wait
+    wait_stopped(child.pid)  # it took the unit we released and froze before recording itself
+    assert_guard_free(instance_id)
+    assert lock.stats()["semaphore_value"] == 0 and lock.stats()["owner_pid"] == 0
+    begin = time.monotonic()
+    assert lock.acquire(timeout=10 * MARGIN_SECONDS, what="recover")
+    assert time.monotonic() - begin >= 2 * FAULT_TIMEOUT * 0.9
+    try:
+        assert lock.stats()["recoveries"] == 1
+        os.kill(child.pid, signal.SIGCONT)
+        deadline = time.monotonic() + JOIN_SECONDS
+        while lock.stats()["handed_over"] == 0:  # the child resumes, sees the recovery, waits again
+            assert time.monotonic() < deadline, "the resumed child never noticed the recovery"
+            time.sleep(0.01)
+        only_one_unit(lock, instance_id)
+        assert lock.stats()["owner_pid"] == os.getpid()
+    finally:
+        lock.release()
+    join_ok(child)
+    stats = lock.stats()
+    assert stats["handed_over"] == 1 and stats["recoveries"] == 1
+    assert stats["semaphore_value"] == 1 and not stats["held"]
+
+
+# --- an unreadable /proc ----------------------------------------------------------------------
+
+
+def test_process_utils_refuse_to_guess_without_proc(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-proc")
+    me = os.getpid()
+    with pytest.raises(ProcUnreadableError):
+        pid_start_time(me, missing)
+    assert process_alive(me, None, missing)  # existence is still known (signal 0)
+    with pytest.raises(ProcUnreadableError):
+        process_alive(me, pid_start_time(me), missing)  # identity is not
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid no longer exists
+    assert not process_alive(child.pid, 12345, missing)
+
+
+def test_lock_refuses_a_process_that_cannot_read_its_start_time(instance_id: str, tmp_path: Path) -> None:
+    unreadable = tmp_path / "proc"
+    unreadable.mkdir(mode=0o000)
+    try:
+        for root in (str(tmp_path / "no-proc"), str(unreadable)):
+            with pytest.raises(KVCacheLockError, match="start time"):
+                KVCacheLock.create(instance_id, 0, role="test", proc_root=root)
+            assert entries_of(instance_id) == set(), "a refused create left objects behind"
+        lock = KVCacheLock.create(instance_id, 0, role="test")
+        with pytest.raises(KVCacheLockError, match="readable"):
+            KVCacheLock.attach(instance_id, 0, "worker", proc_root=str(tmp_path / "no-proc"))
+        lock.close()
+    finally:
+        unreadable.chmod(0o700)
+
+
+def test_waiter_losing_proc_never_robs_a_live_holder_but_recovers_a_gone_one(
+        instance_id: str, procs: list, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger=LOCK_LOGGER)
+    proc_link = tmp_path / "proc"
+    proc_link.symlink_to("/proc")
+    lock = KVCacheLock.create(instance_id, 0, role="test", timeout=FAULT_TIMEOUT, proc_root=str(proc_link))
+    holding = SPAWN.Event()
+    holder = start(procs, _child_hold_forever, instance_id, holding)
+    assert holding.wait(JOIN_SECONDS)
+    proc_link.unlink()
+    proc_link.symlink_to(tmp_path / "gone")  # from now on this process cannot read start times
+    with pytest.raises(KVCacheLockTimeout):
+        with lock.hold("execute_model", timeout=4 * FAULT_TIMEOUT):
+            pass
+    assert lock.stats()["recoveries"] == 0
+    assert any("cannot tell whether holder pid" in r.getMessage() for r in caplog.records)
+    holder.kill()
+    holder.join(JOIN_SECONDS)  # reaped: its pid is gone, which signal 0 can tell
+    begin = time.monotonic()
+    with lock.hold("execute_model", timeout=10 * MARGIN_SECONDS):
+        assert time.monotonic() - begin < FAULT_TIMEOUT + MARGIN_SECONDS
+    assert lock.stats()["recoveries"] == 1 and lock.stats()["semaphore_value"] == 1
