@@ -8,8 +8,8 @@ One process per worker rank, spawned by the engine (``run_cache_transfer``). It 
 - its readiness flag and heartbeat in ``InstanceSignals``.
 
 The device pool belongs to the worker; this process only maps it. Every copy that touches it runs
-under the KV-cache lock (when enabled), and storage I/O never does, so slow storage cannot hold up
-execute_model. Correctness rests on block states (the engine never lets execute_model touch a block
+under the KV-cache lock (when enabled); storage I/O does not, except the reads of a prefetch's
+chunks after its first (one hold covers a whole fill, see ``_prefetch``). Correctness rests on block states (the engine never lets execute_model touch a block
 in transfer); with FD_KVCACHE_SANITIZER=1 this process checks them before touching a device block.
 """
 from __future__ import annotations
@@ -301,6 +301,7 @@ class CacheTransferManager:
         self._check_states(task, device_ids)
         with self.lock.hold("swap_in"):
             self._send_started(task)
+            self._fault_slow_fill()
             self._check_states(task, device_ids)
             host_to_device(host, self.device, task.host_block_ids, device_ids)
         return [True] * len(device_ids)
@@ -334,33 +335,56 @@ class CacheTransferManager:
                         "batch_put")
 
     def _prefetch(self, task: TransferTask) -> list[bool]:
+        """Storage -> device in staging-sized chunks, under one lock hold from TransferStarted on.
+
+        TransferStarted says the fill's device writes are under way, and (lock on) that whoever
+        takes the lock after it sees them finished: so the lock is taken before it is sent and
+        kept until the last chunk is copied. Releasing it between chunks would let execute_model
+        in while later chunks are not copied yet. The price: the storage reads of the chunks after
+        the first run under the lock (the first one is read before it is taken).
+        """
         backend = self._storage(task)
         device_ids = self._device_ids(task)
         _require_pairs(task, len(task.storage_keys), "storage_keys")
         self._check_states(task, device_ids)
-        ok: list[bool] = []
-        for chunk in self._chunks(len(device_ids)):
-            chunk_ids = device_ids[chunk]
-            buffers = [self.staging[row] for row in range(len(chunk_ids))]
-            got = _results(backend.batch_get(task.storage_keys[chunk], buffers), len(chunk_ids), "batch_get")
-            hit_rows = [row for row, hit in enumerate(got) if hit]
-            with self.lock.hold("prefetch"):
-                if chunk.start == 0:
-                    self._send_started(task)
-                self._check_states(task, chunk_ids)
-                staging_to_device(self.staging, self.device, hit_rows, [chunk_ids[row] for row in hit_rows])
-            ok.extend(got)
-        if not device_ids:
+        chunks = self._chunks(len(device_ids))
+        if not chunks:
             self._send_started(task)
+            return []
+        ok: list[bool] = []
+        got = self._read_chunk(task, backend, chunks[0])
+        with self.lock.hold("prefetch"):
+            self._send_started(task)
+            for index, chunk in enumerate(chunks):
+                if index:
+                    got = self._read_chunk(task, backend, chunk)
+                self._fault_slow_fill()
+                chunk_ids = device_ids[chunk]
+                self._check_states(task, chunk_ids)
+                hit_rows = [row for row, hit in enumerate(got) if hit]
+                staging_to_device(self.staging, self.device, hit_rows, [chunk_ids[row] for row in hit_rows])
+                ok.extend(got)
         return ok
+
+    def _read_chunk(self, task: TransferTask, backend: KVStorageBackend, chunk: slice) -> list[bool]:
+        """One chunk of a prefetch from storage into the staging rows 0.., per-block hits."""
+        count = chunk.stop - chunk.start
+        buffers = [self.staging[row] for row in range(count)]
+        return _results(backend.batch_get(task.storage_keys[chunk], buffers), count, "batch_get")
 
     # ---- helpers -----------------------------------------------------------------------------
 
     def _send_started(self, task: TransferTask) -> None:
         self.done_socket.send_pyobj(TransferStarted(task_id=task.task_id))
+
+    def _fault_slow_fill(self) -> None:
+        """Test-only (FD_KVCACHE_FAULT_SLOW_FILL_S): sleep before every device copy of a fill.
+
+        Before each chunk, not only the first, so with the early-schedule fault execute_model
+        races every chunk of a long prefetch (the lock must close all of them, the sanitizer must
+        see it whichever chunk it hits).
+        """
         if self.fault_slow_fill_s > 0:
-            # Test-only: widen the window between "started" and the copy so the early-schedule fault
-            # deterministically races execute_model (the lock must close it, the sanitizer must see it).
             time.sleep(self.fault_slow_fill_s)
 
     def _chunks(self, count: int) -> list[slice]:

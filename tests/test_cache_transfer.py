@@ -98,9 +98,9 @@ class Instance:
             raise
         self.device = self.device_segment.array
 
-    def start(self, sanitizer: bool, via_parent: bool = False) -> None:
+    def start(self, sanitizer: bool, via_parent: bool = False, env: dict[str, str] | None = None) -> None:
         """Spawn the process (or, with ``via_parent``, an intermediate parent that spawns it)."""
-        overrides = {"FD_KVCACHE_SANITIZER": "1" if sanitizer else "0", "FD_USE_KVCACHE_LOCK": "1"}
+        overrides = {"FD_KVCACHE_SANITIZER": "1" if sanitizer else "0", "FD_USE_KVCACHE_LOCK": "1", **(env or {})}
         saved = {name: os.environ.get(name) for name in overrides}
         os.environ.update(overrides)  # a spawned child copies the environment at start
         try:
@@ -403,28 +403,83 @@ def test_clear_storage_drops_stored_blocks(served: Instance) -> None:
     np.testing.assert_array_equal(served.block(5), untouched)
 
 
-@pytest.mark.parametrize("kind", ["swap_in", "prefetch"])
-def test_device_copy_waits_for_the_lock_and_started_follows_it(served: Instance, kind: str) -> None:
-    source = np.random.default_rng(90).standard_normal(served.host[3].shape).astype(np.float32)
-    served.host[3] = source
+@pytest.mark.parametrize("kind", ["swap_out", "swap_in", "write_back", "prefetch"])
+def test_device_copy_waits_for_the_lock(served: Instance, kind: str) -> None:
+    """Every kind that touches the device pool blocks while another process holds the lock, and
+    copies once it is released; fills announce TransferStarted only from inside their hold."""
+    fills = kind in ("swap_in", "prefetch")
     key = served.key("locked")
-    if kind == "prefetch":
-        assert served.run("write_back", host=[3], keys=[key])[1].ok == [True]
-    untouched = served.fill_block(4, seed=91)
-    served.set_states(BlockState.SWAP_IN if kind == "swap_in" else BlockState.LOAD, 4)
+    if fills:
+        source = np.random.default_rng(90).standard_normal(served.host[3].shape).astype(np.float32)
+        served.host[3] = source
+        if kind == "prefetch":
+            assert served.run("write_back", host=[3], keys=[key])[1].ok == [True]
+        untouched = served.fill_block(4, seed=91)
+        served.set_states(BlockState.SWAP_IN if kind == "swap_in" else BlockState.LOAD, 4)
+    else:
+        source = served.fill_block(4, seed=92)
+        served.set_states(BlockState.SWAP_OUT if kind == "swap_out" else BlockState.WRITE_BACK, 4)
+    host_before = served.host[3].copy()
+    kwargs = {"host": [3]} if kind in ("swap_in", "swap_out") else {"keys": [key]}
+    contended_before = served.lock.stats()["contended"]
 
     served.lock.acquire()  # what the worker does around execute_model
     try:
-        task_id = served.send(kind, device=[4], host=[3] if kind == "swap_in" else [],
-                              keys=[key] if kind == "prefetch" else [])
+        task_id = served.send(kind, device=[4], **kwargs)
         assert not served.done_socket.poll(800), "a message arrived while the test held the KV-cache lock"
-        np.testing.assert_array_equal(served.block(4), untouched)
+        if fills:
+            np.testing.assert_array_equal(served.block(4), untouched)
+        np.testing.assert_array_equal(served.host[3], host_before)
     finally:
         served.lock.release()
     before, done = served.collect(task_id)
-    assert [type(m) for m in before] == [TransferStarted]
-    assert done.ok == [True]
-    np.testing.assert_array_equal(served.block(4), source)
+    assert [type(m) for m in before] == ([TransferStarted] if fills else [])
+    assert done.ok == [True] and done.error is None
+    # The transfer process waited in the lock's slow path, not somewhere else.
+    assert served.lock.stats()["contended"] == contended_before + 1
+    if fills:
+        np.testing.assert_array_equal(served.block(4), source)
+    elif kind == "swap_out":
+        np.testing.assert_array_equal(served.host[3], source)
+    else:  # the bytes reached storage: read them back into another block
+        served.set_states(BlockState.LOAD, 5)
+        assert served.run("prefetch", device=[5], keys=[key])[1].ok == [True]
+        np.testing.assert_array_equal(served.block(5), source)
+
+
+MULTI_CHUNK_BLOCKS = 20  # more than STAGING_BLOCKS (16): a prefetch of two chunks
+SLOW_FILL_S = 0.3
+
+
+def test_multi_chunk_prefetch_holds_the_lock_from_started_to_its_last_chunk(
+        base_config: EngineConfig, tmp_path: Path) -> None:
+    """Whoever takes the lock after TransferStarted must find every chunk copied: the engine's
+    early-schedule fault relies on exactly that. The slow-fill fault sleeps before every chunk."""
+    config = dataclasses.replace(base_config, instance_id=f"ct-{uuid.uuid4().hex[:10]}", num_gpu_blocks=MULTI_CHUNK_BLOCKS)
+    instance = Instance(config, tmp_path)
+    try:
+        instance.start(sanitizer=True, env={"FD_KVCACHE_FAULT_SLOW_FILL_S": str(SLOW_FILL_S)})
+        blocks = list(range(MULTI_CHUNK_BLOCKS))
+        patterns = [instance.fill_block(b, seed=100 + b) for b in blocks]
+        keys = [instance.key(f"chunked{b}") for b in blocks]
+        instance.set_states(BlockState.WRITE_BACK, *blocks)
+        assert instance.run("write_back", device=blocks, keys=keys)[1].ok == [True] * len(blocks)
+        instance.device[:] = 0.0
+        instance.set_states(BlockState.LOAD, *blocks)
+
+        task_id = instance.send("prefetch", device=blocks, keys=keys)
+        started = instance.recv()
+        assert isinstance(started, TransferStarted) and started.task_id == task_id
+        announced = time.monotonic()
+        with instance.lock.hold("execute_model", timeout=REPLY_TIMEOUT_S):
+            waited = time.monotonic() - announced
+            for block, pattern in zip(blocks, patterns):  # all of them, the second chunk included
+                np.testing.assert_array_equal(instance.block(block), pattern, err_msg=f"block {block}")
+        assert waited >= 2 * SLOW_FILL_S * 0.9, f"got the lock {waited:.2f}s after started: not one hold"
+        _, done = instance.collect(task_id)
+        assert done.ok == [True] * len(blocks) and done.error is None
+    finally:
+        instance.close()
 
 
 @pytest.mark.parametrize(("kind", "state", "kwargs"), [
