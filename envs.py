@@ -35,6 +35,11 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
                                                 "on this execute_model call (1-based; 0 = never)."),
     "FD_KVCACHE_TRANSFER_TIMEOUT": (float, 30.0, "Seconds a KV fill (swap-in/prefetch) may take before it counts "
                                                  "as a miss and the request recomputes."),
+    "FD_CACHE_TRANSFER_TIMEOUT": (float, 120.0, "Seconds the cache transfer process may show no progress (its "
+                                  "heartbeat stands still while one task runs, or the process is stopped) before "
+                                  "the engine kills and restarts it, failing its transfers."),
+    "FD_ENGINE_FAULT_RAISE_IN_UPDATE": (_opt_str, None, "TEST ONLY: the engine raises while processing the "
+                                        "results of a step that holds a request whose id contains this string."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
     "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
     "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),

@@ -9,17 +9,19 @@ One process per worker rank, spawned by the engine (``run_cache_transfer``). It 
 
 The device pool belongs to the worker; this process only maps it. Every copy that touches it runs
 under the KV-cache lock (when enabled); storage I/O does not, except the reads of a prefetch's
-chunks after its first (one hold covers a whole fill, see ``_prefetch``). Correctness rests on block states (the engine never lets execute_model touch a block
-in transfer); with FD_KVCACHE_SANITIZER=1 this process checks them before touching a device block.
+chunks after its first (one hold covers a whole fill, see ``_prefetch``). Correctness rests on
+block states (the engine never lets execute_model touch a block in transfer); with
+FD_KVCACHE_SANITIZER=1 this process checks them before touching a device block.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import signal
 import threading
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -83,11 +85,11 @@ class TransferTaskError(ValueError):
 
 
 class _Heartbeat(threading.Thread):
-    """Stamps ``cache_transfer_heartbeat[tp_rank]`` every HEARTBEAT_INTERVAL_S.
+    """Stamps ``cache_transfer_heartbeat[tp_rank]`` every HEARTBEAT_INTERVAL_S while the serve loop is idle.
 
-    A thread rather than the serve loop, because a single task may legitimately wait longer than
-    a second (a lock held by a long prefill, storage I/O); the engine detects stuck tasks by
-    their own timeouts.
+    While a task runs (``busy``) the stamp stays at the time the task started, so the engine sees
+    "no progress since" and kills the process once one task (or a stopped process) exceeds
+    FD_CACHE_TRANSFER_TIMEOUT. A thread stamps while idle because the serve loop sleeps in poll.
     """
 
     def __init__(self, heartbeat: np.ndarray, tp_rank: int) -> None:
@@ -95,12 +97,25 @@ class _Heartbeat(threading.Thread):
         self._heartbeat = heartbeat
         self._tp_rank = tp_rank
         self._stopped = threading.Event()
+        self._busy = False
 
     def run(self) -> None:
         while True:
-            self._heartbeat[self._tp_rank] = time.time()
+            if not self._busy:
+                self._heartbeat[self._tp_rank] = time.time()
             if self._stopped.wait(HEARTBEAT_INTERVAL_S):
                 return
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Freeze the stamp at "now" for the duration of one task."""
+        self._heartbeat[self._tp_rank] = time.time()
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._heartbeat[self._tp_rank] = time.time()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -232,7 +247,8 @@ class CacheTransferManager:
             if isinstance(message, WorkerShutdown):
                 logger.info("shutdown requested by the engine: %s", message.reason)
                 break
-            self.handle(message)
+            with self._heartbeat.busy():
+                self.handle(message)
 
     def handle(self, message: object) -> None:
         """Execute one message from the engine (anything but WorkerShutdown)."""

@@ -1,16 +1,24 @@
-"""Engine-side handle on the cache transfer process(es): issue copy tasks, collect completions.
+"""Engine-side end of the cache transfer channel: send copy tasks, dispatch what comes back.
 
-Keeps the upstream method names (``issue_swap_task`` / ``sync_swap_task``,
-``issue_write_back_storage_task``, ``issue_prefetch_storage_task``). ``is_sync``
-means "wait until the transfer process reports completion", bounded by a
-timeout; a timed-out transfer is reported as a miss for every block and its
-blocks stay quarantined by the PrefixCacheManager until the late completion
-arrives, so a slow copy can never land in a reused block.
+Decision (issue 10): the engine never blocks on a KV transfer. The ``PrefixCacheManager``
+issues every task asynchronously through ``submit``; the engine loop calls ``poll`` and the
+client hands each ``TransferStarted`` / ``TransferDone`` to the cache manager's handlers. A
+task's blocks stay quarantined in the cache manager until its ``TransferDone`` arrives or the
+engine declares the transfer process dead or hung (it kills and restarts it, then
+``fail_all_transfers`` releases every quarantined block), so a late completion always finds
+its task and nothing is parked here. A task the socket cannot take yet (the process is still
+connecting, or stopped reading) waits in a local backlog, flushed on every ``poll``;
+``discard_backlog`` drops it when the process is replaced, since its transfers are failed then.
+
+The upstream-named synchronous API (``issue_swap_task`` / ``sync_swap_task``,
+``issue_write_back_storage_task``, ``issue_prefetch_storage_task``) had no caller in the
+engine, reported a timeout as success and parked completions it was not waiting for, so it was
+removed: no advertised API without a caller and a test.
 """
 from __future__ import annotations
 
 import logging
-import time
+from collections import deque
 from typing import Callable
 
 import zmq
@@ -24,94 +32,74 @@ StartedHandler = Callable[[int], None]
 
 
 class CacheTransferClient:
-    def __init__(self, context: zmq.Context, task_addr: str, done_addr: str) -> None:
+    """Binds the task (PUSH) and completion (PULL) sockets the cache transfer process connects to."""
+
+    def __init__(self, context: zmq.Context, task_addr: str, done_addr: str,
+                 on_done: DoneHandler | None = None, on_started: StartedHandler | None = None) -> None:
         self.task_socket = context.socket(zmq.PUSH)
         self.task_socket.bind(task_addr)
         self.done_socket = context.socket(zmq.PULL)
         self.done_socket.bind(done_addr)
-        self.on_done: DoneHandler | None = None
-        self.on_started: StartedHandler | None = None
-        self._next_id = 1_000_000_000  # ids of direct calls never collide with the cache manager's
-        self._completed: dict[int, TransferDone] = {}
-        self._sync_waiting: set[int] = set()
-
-    # ---- the cache manager's submit callback ---------------------------------------
+        self.on_done = on_done
+        self.on_started = on_started
+        self.dispatch_errors = 0
+        self._backlog: deque[TransferTask] = deque()
 
     def submit(self, task: TransferTask) -> None:
-        self.task_socket.send_pyobj(task)
+        """Send ``task``, or keep it in the backlog if the socket cannot take it now; never blocks."""
+        self._backlog.append(task)
+        self._flush()
 
-    # ---- upstream-named API --------------------------------------------------------
+    def _flush(self) -> None:
+        while self._backlog:
+            try:
+                self.task_socket.send_pyobj(self._backlog[0], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return  # no process connected, or its queue is full: retried on the next poll
+            self._backlog.popleft()
 
-    def issue_swap_task(self, kind: str, device_block_ids: list[int], host_block_ids: list[int],
-                        is_sync: bool = False, timeout: float = 30.0) -> TransferDone | int:
-        if kind not in ("swap_out", "swap_in"):
-            raise ValueError(f"swap task kind must be 'swap_out' or 'swap_in', got {kind!r}")
-        if len(device_block_ids) != len(host_block_ids):
-            raise ValueError(f"{len(device_block_ids)} device blocks but {len(host_block_ids)} host blocks")
-        return self._issue(TransferTask(self._new_id(), kind, device_block_ids=device_block_ids,
-                                        host_block_ids=host_block_ids), is_sync, timeout)
+    @property
+    def backlog(self) -> int:
+        """Tasks submitted but not yet handed to ZMQ."""
+        return len(self._backlog)
 
-    def sync_swap_task(self, task_id: int, timeout: float = 30.0) -> TransferDone:
-        return self.wait(task_id, timeout)
-
-    def issue_write_back_storage_task(self, device_block_ids: list[int], storage_keys: list[str],
-                                      is_sync: bool = False, timeout: float = 30.0) -> TransferDone | int:
-        return self._issue(TransferTask(self._new_id(), "write_back", device_block_ids=device_block_ids,
-                                        storage_keys=storage_keys), is_sync, timeout)
-
-    def issue_prefetch_storage_task(self, storage_keys: list[str], device_block_ids: list[int],
-                                    is_sync: bool = False, timeout: float = 30.0) -> TransferDone | int:
-        return self._issue(TransferTask(self._new_id(), "prefetch", device_block_ids=device_block_ids,
-                                        storage_keys=storage_keys), is_sync, timeout)
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _issue(self, task: TransferTask, is_sync: bool, timeout: float) -> TransferDone | int:
-        self._sync_waiting.add(task.task_id)
-        self.submit(task)
-        if not is_sync:
-            return task.task_id
-        return self.wait(task.task_id, timeout)
-
-    def wait(self, task_id: int, timeout: float) -> TransferDone:
-        """Block (on the socket, not spinning) until ``task_id`` completes; a timeout is a miss."""
-        deadline = time.monotonic() + timeout
-        while task_id not in self._completed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._sync_waiting.discard(task_id)
-                logger.warning("transfer %d did not complete within %.1f s; treating it as a miss", task_id, timeout)
-                return TransferDone(task_id, "timeout", ok=[], error=f"timed out after {timeout:.1f} s")
-            self.poll(int(min(remaining, 1.0) * 1000))
-        self._sync_waiting.discard(task_id)
-        return self._completed.pop(task_id)
-
-    # ---- completions -----------------------------------------------------------------
+    def discard_backlog(self) -> list[TransferTask]:
+        """Forget unsent tasks (their process is being replaced and their transfers failed); returns them."""
+        dropped = list(self._backlog)
+        self._backlog.clear()
+        return dropped
 
     def poll(self, timeout_ms: int = 0) -> int:
-        """Handle every message that is ready (waiting up to ``timeout_ms`` for the first)."""
-        handled = 0
+        """Dispatch every message that is ready (waiting up to ``timeout_ms`` for the first); returns the count.
+
+        A handler that raises is logged with its traceback and the remaining messages are still
+        dispatched: one bad completion must not strand the others. The task's sequences are then
+        covered by the fill deadline (recomputed) and its blocks by the engine's transfer deadline.
+        """
+        self._flush()
         if timeout_ms and not self.done_socket.poll(timeout_ms):
             return 0
+        handled = 0
         while True:
             try:
                 message = self.done_socket.recv_pyobj(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return handled
             handled += 1
-            self._dispatch(message)
+            try:
+                self._dispatch(message)
+            except Exception:  # contained: see the docstring
+                self.dispatch_errors += 1
+                logger.exception("handling %r from the cache transfer process failed", message)
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, TransferStarted):
             if self.on_started is not None:
                 self.on_started(message.task_id)
         elif isinstance(message, TransferDone):
-            if message.task_id in self._sync_waiting:
-                self._completed[message.task_id] = message
-            elif self.on_done is not None:
-                self.on_done(message)
+            if self.on_done is None:
+                raise RuntimeError(f"completion of transfer {message.task_id} arrived but no handler is set")
+            self.on_done(message)
         else:
             logger.error("unexpected message %s from the cache transfer process", type(message).__name__)
 

@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.log import setup_logging
 from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
 from inter_communicator.kvcache_lock import KVCacheLock
@@ -40,6 +40,8 @@ WORKER_START_TIMEOUT_S = 900.0
 RESTART_WINDOW_S = 300.0
 MAX_RESTARTS_PER_WINDOW = 5
 SHUTDOWN_GRACE_S = 4.0
+# Loop iterations in a row that may fail (each failing its requests) before the engine gives up.
+MAX_CONSECUTIVE_FAILURES = 10
 
 
 @dataclass
@@ -97,7 +99,14 @@ class StepLog:
 class WorkerDied(RuntimeError):
     def __init__(self, message: str, role: str) -> None:
         super().__init__(message)
-        self.role = role  # "worker" | "cache_transfer"
+        self.role = role  # "worker" | "cache_transfer" | "engine"
+
+
+class EngineFailed(WorkerDied):
+    """The engine's own state is broken (every iteration fails): the process must exit non-zero."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, role="engine")
 
 
 class Engine:
@@ -134,6 +143,11 @@ class Engine:
         self.kvcache_lock = (KVCacheLock.attach(config.instance_id, config.dp_rank, role="engine")
                              if envs.FD_USE_KVCACHE_LOCK else None)
         self._restart_times: list[float] = []
+        self._consecutive_failures = 0
+        self._iteration_failed = False
+        self._last_failure = ""
+        self._transfer_timeout = envs.FD_CACHE_TRANSFER_TIMEOUT
+        self._fault_update = envs.FD_ENGINE_FAULT_RAISE_IN_UPDATE
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -175,11 +189,51 @@ class Engine:
             self.stop_event.wait(0.1)
         logger.info("%s ready", what)
 
-    def _check_workers_alive(self) -> None:
+    def _check_workers_alive(self, roles: tuple[str, ...] = ("worker", "cache_transfer")) -> None:
         for role, procs in (("worker", self.workers), ("cache_transfer", self.cache_transfers)):
+            if role not in roles:
+                continue
             for proc in procs:
                 if not proc.is_alive():
                     raise WorkerDied(f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}", role)
+
+    def _stalled_cache_transfer(self) -> str | None:
+        """Why the cache transfer process counts as hung (alive, making no progress), or None.
+
+        Its heartbeat stands still while it runs a task (see ``_Heartbeat``) and while it is
+        stopped; ``overdue_transfers`` covers every task kind, not only fills.
+        """
+        now = time.time()
+        beats, ready = self.signals.cache_transfer_heartbeat.value, self.signals.cache_transfer_ready.value
+        for rank, proc in enumerate(self.cache_transfers):
+            age = now - float(beats[rank])
+            if ready[rank] and age > self._transfer_timeout and proc.is_alive():
+                return (f"{proc.name} (pid {proc.pid}) made no progress for {age:.0f} s "
+                        f"(FD_CACHE_TRANSFER_TIMEOUT={self._transfer_timeout:g} s)")
+        # TEMPORARY getattr: PrefixCacheManager.overdue_transfers lands with the admission rewrite.
+        overdue_transfers = getattr(self.cache, "overdue_transfers", None)
+        overdue = overdue_transfers() if overdue_transfers is not None else []
+        if overdue:
+            return (f"{len(overdue)} KV transfer(s) are past their deadline (the oldest: {overdue[0].kind} task "
+                    f"{overdue[0].task_id})")
+        return None
+
+    def _kill_stalled_cache_transfer(self) -> str | None:
+        """SIGKILL a hung cache transfer process now; returns why, or None if it is progressing.
+
+        Killed at once, even mid-step, because it may hold the KV-cache lock the worker waits
+        for. Its blocks are released later by ``recover``, after the process is reaped.
+        """
+        if not self.cache_transfers:
+            return None
+        reason = self._stalled_cache_transfer()
+        if reason is None:
+            return None
+        for proc in self.cache_transfers:
+            if proc.is_alive():
+                logger.error("%s; killing %s (pid %d)", reason, proc.name, proc.pid)
+                proc.kill()
+        return reason
 
     # ---- recovery ----------------------------------------------------------
 
@@ -221,16 +275,30 @@ class Engine:
         self.scheduler.discard_inflight()
         self._fail(list(self.scheduler.running), reason)
 
-    def _fail(self, seqs: list[Sequence], reason: str) -> None:
-        """Abort ``seqs`` and tell the API server each one ended with ``reason``."""
+    def _fail(self, seqs: list[Sequence], reason: str, request_ids: tuple[str, ...] = ()) -> None:
+        """Abort ``seqs`` and tell the API server each one (and each of ``request_ids``) ended with ``reason``."""
         outputs = []
         for seq in seqs:
-            self.scheduler.abort(seq.request_id)
+            self._release(seq)
             outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
                                          num_prompt_tokens=seq.num_prompt_tokens, error=reason))
+        for request_id in request_ids:
+            outputs.append(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason))
         self._send_outputs(outputs)
 
+    def _release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the scheduler, or free its blocks if a failure left it in neither queue."""
+        try:
+            if self.scheduler.abort(seq.request_id) is None and seq.status is not SequenceStatus.FINISHED:
+                self.cache.free(seq)
+                seq.status = SequenceStatus.FINISHED
+        except Exception:  # the request is failed either way; its blocks may leak, say so
+            logger.exception("could not release the blocks of %s", seq.request_id)
+
     def _reset_cache_state(self, device_too: bool = True) -> None:
+        if self.transfer is not None:
+            # Unsent tasks belong to the failed transfers: the new process must not run them.
+            self.transfer.discard_backlog()
         self.cache.fail_all_transfers()
         self.cache.drop_host_tier()
         tp = self.config.args.tensor_parallel_size
@@ -249,6 +317,9 @@ class Engine:
             if proc.is_alive():
                 proc.kill()
             proc.join(5.0)
+            if proc.is_alive():
+                # Its copies may still land: releasing its blocks now could corrupt reused ones.
+                raise EngineFailed(f"{proc.name} (pid {proc.pid}) survived SIGKILL for 5 s")
         procs.clear()
 
     def stop_workers(self) -> None:
@@ -273,35 +344,100 @@ class Engine:
     # ---- main loop -------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until stopped, restarting dead child processes (see ``recover``)."""
+        """Serve until stopped, restarting dead child processes (see ``recover``).
+
+        An exception from one request, step or transfer completion fails the requests it
+        concerns and the loop goes on (``_contain``); only ``EngineFailed`` (the same kind of
+        failure every iteration, a child that cannot be killed) or a child that cannot be
+        restarted ends the process.
+        """
         self.signals.engine_ready.value[0] = 1
+        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
+                    self.config.block_size, self.config.max_model_len)
         while not self.stop_event.is_set():
             try:
                 self._serve()
+            except EngineFailed:
+                raise
             except WorkerDied as exc:
                 self.recover(exc)
+            except Exception as exc:  # outside the per-stage containment: nothing precise to fail
+                self._contain("serving", exc, [])
 
     def _serve(self) -> None:
-        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
-                    self.config.block_size, self.config.max_model_len)
         idle = False
         while not self.stop_event.is_set():
-            self.signals.engine_heartbeat.value[0] = time.time()
-            self._receive_requests(block=idle)
-            self._service_cache()
-            batch = self.scheduler.schedule()
-            if batch is None:
-                # Nothing runnable: wait for a request or (while fills run) a transfer completion.
-                idle = True
-                continue
-            idle = False
-            step_started = time.perf_counter()
-            result = self._run_step(batch)
-            outputs = self.scheduler.update(result)
-            self._send_outputs(outputs)
-            self._publish_stats()
-            self.step_log.record(time.perf_counter() - step_started, result.execute_seconds,
-                                 sum(len(o.new_token_ids) for o in outputs), self.scheduler)
+            self._iteration_failed = False
+            idle = self._serve_once(idle)
+            if not self._iteration_failed:
+                self._consecutive_failures = 0
+
+    def _serve_once(self, idle: bool) -> bool:
+        """One loop iteration; returns whether the next one should block waiting for input."""
+        self.signals.engine_heartbeat.value[0] = time.time()
+        self._receive_requests(block=idle)
+        self._service_cache()
+        batch = self._schedule()
+        if batch is None:
+            # Nothing runnable: wait for a request or (while fills run) a transfer completion.
+            return not self._iteration_failed
+        step_started = time.perf_counter()
+        result = self._run_step(batch)
+        outputs = self._update(batch, result)
+        if outputs is None:
+            return False
+        self._send_outputs(outputs)
+        self._publish_stats()
+        self.step_log.record(time.perf_counter() - step_started, result.execute_seconds,
+                             sum(len(o.new_token_ids) for o in outputs), self.scheduler)
+        return False
+
+    def _schedule(self) -> StepBatch | None:
+        """``scheduler.schedule()``; if it raises, the sequences it was working on fail and None is returned."""
+        running_before, waiting_before = list(self.scheduler.running), list(self.scheduler.waiting)
+        try:
+            return self.scheduler.schedule()
+        except Exception as exc:
+            # Running ones would have been in the step; admitted ones may be in neither queue now.
+            still_waiting = set(map(id, self.scheduler.waiting))
+            touched = running_before + [s for s in waiting_before if id(s) not in still_waiting]
+            if not touched and self.scheduler.waiting:
+                touched = [self.scheduler.waiting[0]]  # the next candidate: fail it so the loop progresses
+            self.scheduler.discard_inflight()
+            self._contain("scheduling a step", exc, touched)
+            return None
+
+    def _update(self, batch: StepBatch, result: StepResult) -> list[RequestOutput] | None:
+        """``scheduler.update(result)``; if it raises, the step's sequences fail and None is returned."""
+        try:
+            if self._fault_update and any(self._fault_update in s.request_id for s in batch.seqs):
+                raise RuntimeError(f"injected fault (FD_ENGINE_FAULT_RAISE_IN_UPDATE={self._fault_update!r})")
+            return self.scheduler.update(result)
+        except Exception as exc:
+            self.scheduler.discard_inflight()
+            step_ids = {s.request_id for s in batch.seqs}
+            held = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.request_id in step_ids]
+            # A sequence that finished inside the failed update lost its output: it gets the error too.
+            lost = tuple(step_ids - {s.request_id for s in held})
+            self._contain(f"processing the results of step {batch.step_id}", exc, held, lost)
+            return None
+
+    def _contain(self, what: str, exc: Exception, seqs: list[Sequence], request_ids: tuple[str, ...] = ()) -> None:
+        """Fail the requests a failure concerns and let the loop go on; give up if every iteration fails."""
+        self._iteration_failed = True
+        self._consecutive_failures += 1
+        signature = f"{what}: {type(exc).__name__}: {exc}"
+        count = len(seqs) + len(request_ids)
+        if signature != self._last_failure:
+            logger.error("%s failed; failing %d request(s), the engine goes on", what, count, exc_info=exc)
+        else:  # the traceback was logged already
+            logger.error("%s failed again (%s: %s); failing %d request(s)", what, type(exc).__name__, exc, count)
+        self._last_failure = signature
+        self._fail(seqs, f"internal server error while {what}: {type(exc).__name__}: {exc}", request_ids)
+        self._publish_stats()
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            raise EngineFailed(f"{self._consecutive_failures} loop iterations in a row failed; the last one "
+                               f"{signature}") from exc
 
     def _publish_stats(self) -> None:
         sched, blocks = self.scheduler, self.scheduler.block_manager
@@ -313,10 +449,18 @@ class Engine:
     def _service_cache(self) -> None:
         if self.transfer is None:
             return
-        self.transfer.poll()
-        for seq in self.cache.expired_loads():
-            self.scheduler.preempt(seq)
-        self.cache.offload()
+        self._check_workers_alive(roles=("cache_transfer",))
+        stalled = self._kill_stalled_cache_transfer()
+        if stalled is not None:
+            raise WorkerDied(stalled, "cache_transfer")
+        try:
+            self.transfer.poll()
+            for seq in self.cache.expired_loads():
+                self.scheduler.preempt(seq)
+            self.cache.offload()
+        except Exception as exc:
+            # No request to blame: a bad transfer's blocks stay quarantined until its deadline restarts the process.
+            self._contain("servicing KV cache transfers", exc, [])
 
     def _receive_requests(self, block: bool) -> None:
         if block and not self._wait_for_input():
@@ -328,9 +472,32 @@ class Engine:
                 message = self.request_socket.recv_pyobj(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            outputs.extend(self._handle_message(message))
+            except Exception:  # an undecodable message: nobody to answer
+                logger.exception("undecodable message from the API server dropped")
+                continue
+            outputs.extend(self._handle_message_contained(message))
         self._send_outputs(outputs)
         self._publish_stats()
+
+    def _handle_message_contained(self, message: object) -> list[RequestOutput]:
+        """``_handle_message``; if it raises, only the message's request fails."""
+        try:
+            return self._handle_message(message)
+        except Exception as exc:
+            request_id = getattr(message, "request_id", None)
+            logger.error("handling a %s message (request %s) failed; failing that request",
+                         type(message).__name__, request_id, exc_info=exc)
+            error = f"internal server error while handling the request: {type(exc).__name__}: {exc}"
+            if not isinstance(request_id, str):
+                return []
+            if isinstance(message, ControlRequest):
+                self.output_socket.send_pyobj([ControlReply(request_id, {}, error=error)])
+                return []
+            held = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting)
+                    if s.request_id == request_id]
+            for seq in held:
+                self._release(seq)
+            return [RequestOutput(request_id, [], finished=True, finish_reason="error", error=error)]
 
     def _wait_for_input(self) -> bool:
         """Block up to POLL_MS for an API message or a transfer completion; True if an API message is ready."""
@@ -385,12 +552,16 @@ class Engine:
             if self.result_socket in ready:
                 break
             self.signals.engine_heartbeat.value[0] = time.time()
-            self._check_workers_alive()
+            # A dead or hung cache transfer process is handled once the step is back (_service_cache):
+            # restarting it now would schedule a new step while the worker still runs this one.
+            self._check_workers_alive(roles=("worker",))
+            self._kill_stalled_cache_transfer()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"step {batch.step_id} took longer than {envs.FD_WORKER_STEP_TIMEOUT:.0f} s")
+                raise WorkerDied(f"worker gave no result for step {batch.step_id} within "
+                                 f"FD_WORKER_STEP_TIMEOUT={envs.FD_WORKER_STEP_TIMEOUT:.0f} s", "worker")
         result: StepResult = self.result_socket.recv_pyobj()
         if result.step_id != batch.step_id:
-            raise RuntimeError(f"worker answered step {result.step_id}, expected {batch.step_id}")
+            raise WorkerDied(f"worker answered step {result.step_id}, expected {batch.step_id}", "worker")
         return result
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:

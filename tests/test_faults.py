@@ -207,3 +207,74 @@ def test_exception_inside_the_lock_bracket_releases_it_and_serving_continues():
         assert_reference_output(server)  # the next steps take the lock again: it was released
         lock = httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()["kvcache_lock"]
         assert lock["owner_pid"] == 0 and lock["recoveries"] == 0, lock
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def test_a_request_that_breaks_the_engine_loop_fails_alone():
+    # Chat request ids start with "chatcmpl-", completion ids with "cmpl-": only the chat request's steps raise.
+    # One sequence a step, so the failing step holds nothing else; the others wait their turn meanwhile.
+    with ServerProcess("--max-num-seqs", "1", env={"FD_ENGINE_FAULT_RAISE_IN_UPDATE": "chatcmpl"}) as server:
+        engine_pids = _children(server.proc.pid)
+        results: dict[str, httpx.Response] = {}
+
+        def post(name: str, path: str, body: dict) -> None:
+            results[name] = httpx.post(server.base_url + path, json=body, timeout=120)
+
+        bodies = {name: ("/v1/completions", {"prompt": entry["prompt_ids"], "max_tokens": len(entry["output_ids"]),
+                                             "temperature": 0, "return_token_ids": True})
+                  for name, entry in (("first", REFERENCE[0]), ("second", REFERENCE[1]))}
+        bodies["chat"] = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                   "max_tokens": 8, "temperature": 0})
+        clients = [threading.Thread(target=post, args=(name, path, body)) for name, (path, body) in bodies.items()]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(150)
+        assert results["chat"].status_code == 500, results["chat"].text
+        assert "injected fault" in results["chat"].json()["error"]["message"]
+        for name, entry in (("first", REFERENCE[0]), ("second", REFERENCE[1])):
+            assert results[name].status_code == 200, results[name].text
+            ours, ref = expected_prefix(entry, results[name].json()["choices"][0]["completion_token_ids"])
+            assert ours == ref
+        assert _children(server.proc.pid) == engine_pids  # the engine process was never replaced
+        status = health(server)
+        assert status["status"] == "ok" and status["scheduler"]["kv_blocks_used"] == 0
+        assert "Traceback" in server.log_tail(400)  # the failure was logged with its traceback
+
+
+def test_a_stopped_cache_transfer_process_is_killed_and_restarted(tmp_path):
+    env = {"FD_CACHE_TRANSFER_TIMEOUT": "3", "FD_KVCACHE_TRANSFER_TIMEOUT": "3"}
+    with ServerProcess("--swap-space", "0.05", "--kvcache-storage-backend", "file",
+                       "--file-backend-storage-dir", str(tmp_path), env=env) as server:
+        assert_reference_output(server)
+        transfer_pid = health(server)["cache_transfer"][0]["pid"]
+        os.kill(transfer_pid, signal.SIGSTOP)  # alive but hung: no heartbeat, no completions
+        try:
+            # These need write-backs (and swaps) that the stopped process cannot run; they must still succeed.
+            for entry in REFERENCE[1:3]:
+                assert_reference_output(server, entry)
+            wait_until(lambda: health(server)["scheduler"]["cache_transfer_restarts"] >= 1, RECOVERY_TIMEOUT_S,
+                       "the engine to restart the stopped cache transfer process")
+            wait_until(lambda: health(server)["cache_transfer"][0]["ready"], RECOVERY_TIMEOUT_S,
+                       "the new cache transfer process to be ready")
+        finally:
+            try:
+                os.kill(transfer_pid, signal.SIGCONT)  # if the engine did not kill it, let the shutdown do so
+            except ProcessLookupError:
+                pass  # killed by the engine, as it should be
+        status = health(server)
+        assert status["cache_transfer"][0]["pid"] != transfer_pid
+        assert status["scheduler"]["cache_transfer_restarts"] == 1
+        assert status["status"] == "ok"
+        httpx.post(server.base_url + "/v1/cache/reset", timeout=30)
+        for entry in REFERENCE[:3]:
+            assert_reference_output(server, entry)  # prefixes reload from storage through the new process
+        assert "made no progress" in server.log_tail(400)
+        server.stop()
+        assert shm_names(server.instance_id) == []  # checked before close() sweeps anything

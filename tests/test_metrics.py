@@ -14,6 +14,7 @@ import random
 import signal
 import time
 from collections import Counter as Tally
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inter_communicator.kvcache_lock import KVCacheLock
 from tests.server_utils import ServerProcess, load_reference
 
 
@@ -178,7 +180,33 @@ def test_counters_and_histograms_follow_requests(client: httpx.Client) -> None:
 
     assert delta(before, after, "fdserve:kvcache_lock_acquisitions_total") > 0
     assert delta(before, after, "fdserve:kvcache_lock_hold_seconds_total") > 0
-    assert delta(before, after, "fdserve:kvcache_lock_wait_seconds_total") >= 0
+    # Waits are tested where one is forced: test_lock_waits_are_exported.
+
+
+LOCK_HOLD_S = 2.0
+
+
+def test_lock_waits_are_exported(server: ServerProcess, client: httpx.Client) -> None:
+    """Hold the server's KV-cache lock from the test while a request runs: its execute_model has
+    to wait, and the wait shows up in the exported counters."""
+    lock = KVCacheLock.attach(server.instance_id, 0, "test")
+    body = {"prompt": REFERENCE[1]["prompt_ids"], "max_tokens": 2, "temperature": 0}
+    try:
+        before = scrape(client)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            with lock.hold("test: keep execute_model waiting"):
+                pending = pool.submit(post, client, COMPLETIONS, body)
+                time.sleep(LOCK_HOLD_S)
+            result = pending.result(timeout=120)
+        after = scrape(client)
+    finally:
+        lock.close()
+    assert result["usage"]["completion_tokens"] == 2
+    assert delta(before, after, "fdserve:kvcache_lock_contended_total") >= 1
+    # The request reaches the worker well within a second of being sent.
+    assert delta(before, after, "fdserve:kvcache_lock_wait_seconds_total") >= LOCK_HOLD_S / 2
+    assert value(after, "fdserve:kvcache_lock_max_wait_seconds") >= LOCK_HOLD_S / 2
+    assert delta(before, after, "fdserve:kvcache_lock_hold_seconds_total") >= LOCK_HOLD_S
 
 
 def test_gauges_return_to_idle(client: httpx.Client) -> None:

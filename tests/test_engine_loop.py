@@ -1,0 +1,192 @@
+"""The engine loop survives a failing request: the real Engine (scheduler, prefix cache, ZMQ sockets,
+shared-memory signals) runs in a thread; the test plays the API server and a scripted worker over the
+engine's real ipc sockets (the worker process is the boundary: it answers each step with token
+1000 + the sequence's step index, so outputs are exact).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import zmq
+
+from engine.config import EngineArgs, build_engine_config
+from engine.engine_process import MAX_CONSECUTIVE_FAILURES, Engine, EngineAddresses, EngineFailed
+from engine.request import EngineRequest, RequestOutput
+from engine.sampling_params import SamplingParams
+from inter_communicator.instance_signals import InstanceSignals
+from inter_communicator.messages import StepBatch, StepResult
+from inter_communicator.shm import sweep_stale
+
+TIMEOUT_S = 30.0
+MAX_TOKENS = 3
+PROMPT = list(range(10, 80))  # 70 tokens: a full 64-token block plus a partial one
+
+
+class Harness:
+    """An Engine with the API server's and the worker's ends of its sockets."""
+
+    def __init__(self, tmp_path: Path, max_num_seqs: int) -> None:
+        base = build_engine_config(EngineArgs(num_gpu_blocks_override=16, max_num_seqs=max_num_seqs))
+        self.config = dataclasses.replace(base, instance_id=f"el-{uuid.uuid4().hex[:10]}")
+        self.signals = InstanceSignals(self.config, create=True)
+        self.stop_event = threading.Event()
+        self.engine: Engine | None = None
+        self.context = zmq.Context()
+        self.threads: list[threading.Thread] = []
+        self.engine_error: BaseException | None = None
+        try:
+            addresses = EngineAddresses.in_dir(str(tmp_path))
+            self.engine = Engine(self.config, addresses, self.stop_event)
+            self.api_in = self.context.socket(zmq.PUSH)
+            self.api_in.connect(addresses.requests)
+            self.api_out = self.context.socket(zmq.PULL)
+            self.api_out.connect(addresses.outputs)
+            self.worker_in = self.context.socket(zmq.PULL)
+            self.worker_in.connect(addresses.batches)
+            self.worker_out = self.context.socket(zmq.PUSH)
+            self.worker_out.connect(addresses.results)
+        except BaseException:
+            self.close()
+            raise
+        self.outputs: dict[str, list[RequestOutput]] = {}
+
+    def send(self, request_id: str, prompt: list[int] | None = PROMPT) -> None:
+        self.api_in.send_pyobj(EngineRequest(request_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)))
+
+    def start(self) -> None:
+        for target in (self._run_engine, self._run_worker):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _run_engine(self) -> None:
+        try:
+            self.engine.run()
+        except BaseException as exc:  # reported to the test through engine_error
+            self.engine_error = exc
+
+    def _run_worker(self) -> None:
+        while not self.stop_event.is_set():
+            if not self.worker_in.poll(100):
+                continue
+            batch: StepBatch = self.worker_in.recv_pyobj()
+            tokens = {s.request_id: 1000 + s.step_index for s in batch.seqs if s.sample}
+            self.worker_out.send_pyobj(StepResult(batch.step_id, sampled_token_ids=tokens))
+
+    def wait_finished(self, request_ids: list[str]) -> dict[str, list[RequestOutput]]:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(self.outputs.get(r) and self.outputs[r][-1].finished for r in request_ids):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.api_out.poll(int(remaining * 1000)):
+                raise TimeoutError(f"not finished within {TIMEOUT_S} s: {request_ids}; got {self.outputs}")
+            for output in self.api_out.recv_pyobj():
+                self.outputs.setdefault(output.request_id, []).append(output)
+        return {r: self.outputs[r] for r in request_ids}
+
+    def engine_thread_alive(self) -> bool:
+        return self.threads[0].is_alive()
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(10)
+        self.context.destroy(linger=0)
+        if self.engine is not None:
+            self.engine.close()
+        self.signals.close()
+        self.signals.unlink()
+        sweep_stale(self.config.instance_id)
+
+
+@pytest.fixture
+def make_harness(tmp_path: Path) -> Iterator:
+    made: list[Harness] = []
+
+    def make(max_num_seqs: int = 4) -> Harness:
+        made.append(Harness(tmp_path, max_num_seqs))
+        return made[-1]
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def assert_completed(outputs: list[RequestOutput]) -> None:
+    assert outputs[-1].finish_reason == "length" and outputs[-1].error is None, outputs[-1]
+    assert tokens(outputs) == [1000 + i for i in range(MAX_TOKENS)]
+
+
+def test_a_message_that_cannot_be_handled_fails_only_its_request(make_harness):
+    harness = make_harness()
+    harness.send("malformed", prompt=None)  # list(None) raises inside the engine's message handling
+    harness.send("good")
+    harness.start()
+    done = harness.wait_finished(["malformed", "good"])
+    assert done["malformed"][-1].finish_reason == "error"
+    assert "TypeError" in done["malformed"][-1].error
+    assert_completed(done["good"])
+    assert harness.engine_thread_alive() and harness.engine_error is None
+
+
+def test_a_failing_update_fails_the_steps_requests_and_the_loop_goes_on(make_harness, monkeypatch):
+    monkeypatch.setenv("FD_ENGINE_FAULT_RAISE_IN_UPDATE", "boom")
+    harness = make_harness(max_num_seqs=1)  # one sequence a step: the failing step holds only "boom"
+    harness.send("boom")
+    harness.send("after")
+    harness.start()
+    done = harness.wait_finished(["boom", "after"])
+    assert done["boom"][-1].finish_reason == "error" and "injected fault" in done["boom"][-1].error
+    assert tokens(done["boom"]) == []
+    assert_completed(done["after"])
+    assert harness.engine.cache.num_used_blocks == 0  # the failed request's blocks came back
+    assert harness.engine_thread_alive() and harness.engine_error is None
+
+
+def test_a_failing_schedule_fails_the_sequence_it_was_admitting(make_harness):
+    harness = make_harness()
+    cache = harness.engine.cache
+    real_is_loading = cache.is_loading
+
+    def is_loading(seq, *args, **kwargs):
+        if seq.request_id == "poison":  # asked right after admission took its blocks
+            raise ValueError("corrupt prefix entry")
+        return real_is_loading(seq, *args, **kwargs)
+
+    cache.is_loading = is_loading  # a fault in one call of the real cache manager
+    harness.send("poison")
+    harness.send("good")
+    harness.start()
+    done = harness.wait_finished(["poison", "good"])
+    assert done["poison"][-1].finish_reason == "error" and "corrupt prefix entry" in done["poison"][-1].error
+    assert_completed(done["good"])
+    assert cache.num_used_blocks == 0  # the blocks admission took for "poison" came back
+    assert harness.engine.scheduler.num_running == 0 and harness.engine.scheduler.num_waiting == 0
+    assert harness.engine_thread_alive() and harness.engine_error is None
+
+
+def test_every_iteration_failing_stops_the_engine(make_harness, monkeypatch):
+    monkeypatch.setenv("FD_ENGINE_FAULT_RAISE_IN_UPDATE", "boom")
+    harness = make_harness(max_num_seqs=1)
+    ids = [f"boom-{i}" for i in range(MAX_CONSECUTIVE_FAILURES)]
+    for request_id in ids:
+        harness.send(request_id)
+    deadline = time.monotonic() + TIMEOUT_S
+    while harness.engine.scheduler.num_waiting < len(ids):  # queue them all first: no idle iteration between
+        assert time.monotonic() < deadline, "requests did not reach the engine"
+        harness.engine._receive_requests(block=True)
+    harness.start()
+    harness.threads[0].join(TIMEOUT_S)
+    assert not harness.engine_thread_alive()
+    assert isinstance(harness.engine_error, EngineFailed), harness.engine_error
+    done = harness.wait_finished(ids)
+    assert all(d[-1].finish_reason == "error" for d in done.values())
