@@ -335,6 +335,7 @@ MISUSE_SCRIPT = textwrap.dedent(
         second = KVCacheLock.attach(sys.argv[2], 0, "test")
         second.close()
         expect("use-after-close", second.acquire)
+        expect("no-proc", lambda: KVCacheLock.attach(sys.argv[2], 0, "test", proc_root="/nonexistent-proc"))
     finally:
         lock.close()
         lock.unlink()
@@ -347,7 +348,7 @@ def test_misuse_raises_under_python_dash_o(instance_id: str) -> None:
     result = subprocess.run([sys.executable, "-O", "-c", MISUSE_SCRIPT, str(REPO_ROOT), instance_id],
                             capture_output=True, text=True, timeout=JOIN_SECONDS)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "release-unheld,reentrant,release-other-thread,use-after-close"
+    assert result.stdout.strip() == "release-unheld,reentrant,release-other-thread,use-after-close,no-proc"
     assert entries_of(instance_id) == set()
 
 
