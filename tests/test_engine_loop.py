@@ -6,6 +6,8 @@ engine's real ipc sockets (the worker process is the boundary: it answers each s
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import signal
 import threading
 import time
 import uuid
@@ -190,3 +192,27 @@ def test_every_iteration_failing_stops_the_engine(make_harness, monkeypatch):
     assert isinstance(harness.engine_error, EngineFailed), harness.engine_error
     done = harness.wait_finished(ids)
     assert all(d[-1].finish_reason == "error" for d in done.values())
+
+
+def test_a_cache_transfer_process_without_progress_is_killed(make_harness, monkeypatch):
+    monkeypatch.setenv("FD_CACHE_TRANSFER_TIMEOUT", "2")
+    harness = make_harness()
+    engine, signals = harness.engine, harness.signals
+    # A real process standing in for a cache transfer process that stopped making progress.
+    hung = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,), name="stand-in")
+    hung.start()
+    try:
+        engine.cache_transfers.append(hung)
+        signals.cache_transfer_ready.value[0] = 1
+        signals.cache_transfer_heartbeat.value[0] = time.time() - 1.0  # busy for 1 s: within the timeout
+        assert engine._kill_stalled_cache_transfer() is None and hung.is_alive()
+        signals.cache_transfer_heartbeat.value[0] = time.time() - 3.0
+        reason = engine._kill_stalled_cache_transfer()
+        assert reason is not None and "made no progress for 3 s (FD_CACHE_TRANSFER_TIMEOUT=2 s)" in reason
+        hung.join(10)
+        assert hung.exitcode == -signal.SIGKILL
+    finally:
+        engine.cache_transfers.clear()
+        if hung.is_alive():
+            hung.kill()
+        hung.join(10)
