@@ -58,6 +58,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "MOONCAKE_LOCAL_HOSTNAME": (str, "127.0.0.1", "Address other Mooncake clients reach this process at."),
     "FD_KVCACHE_STORAGE_NAMESPACE": (str, "fdserve", "Namespace (directory / key prefix) of this server's "
                                      "objects in the KV-cache storage tier; clear() removes only it."),
+    "FD_SHUTDOWN_DRAIN_S": (float, 5.0, "Seconds a stopping server lets requests in flight finish before it "
+                                        "ends them with an error (new requests get 503 meanwhile)."),
     "FD_METRICS_ENGINE_TIMEOUT": (float, 1.0, "Seconds GET /metrics waits for the engine's cache_stats reply "
                                   "before serving the previous values."),
 }

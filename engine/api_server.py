@@ -4,9 +4,11 @@ Owns: ``build_app`` (the ASGI app: ``/health``, ``/metrics``, ``/v1/models``, ``
 ``/v1/chat/completions``; the metric definitions live in ``engine.metrics``), the per-request
 flow (read body -> validate -> tokenize -> check lengths -> ``EngineClient.generate`` ->
 detokenize + stop strings -> JSON or SSE), the rule that a request whose consumer goes away
-(client disconnect, stop string) is aborted in the engine, and ``run_server`` (uvicorn). Every
-client mistake is a 4xx with the OpenAI error body; a 5xx means the engine or this server failed.
-``/health`` and ``/metrics`` are reachable without the API key.
+(client disconnect, stop string) is aborted in the engine, the shutdown drain (``drain``: new
+requests get 503, requests in flight may finish until a deadline, the rest end with an error),
+and ``run_server`` (uvicorn). Every client mistake is a 4xx with the OpenAI error body; a 5xx
+means the engine or this server failed (503: no engine takes requests now: restarting, down, or
+shutting down). ``/health`` and ``/metrics`` are reachable without the API key.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 import envs
 from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.engine_client import EngineDeadError, EngineUnavailableError
 from engine.metrics import METRICS_CONTENT_TYPE, HTTPMetricsMiddleware, RequestRecorder, ServerMetrics
 from engine.protocol import (SERVER_ERROR, SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
                              GenerationRequest, chat_completion_chunk, chat_completion_response, completion_chunk,
@@ -60,6 +63,13 @@ class _JSONResponse(JSONResponse):
 
 def _error_response(error: APIError) -> JSONResponse:
     return _JSONResponse(error.body(), status_code=error.status_code)
+
+
+_SHUTDOWN_MESSAGE = "the server is shutting down; the request was stopped before it finished"
+
+
+def _unavailable(message: str) -> APIError:
+    return APIError(message, status_code=503, error_type=SERVER_ERROR, code="engine_unavailable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +194,35 @@ class _OpenAIServing:
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
         self.created = int(time.time())
+        self.draining = False
+
+    def check_accepting(self) -> None:
+        """``APIError`` 503 when no engine takes a new request now (shutdown, restart, down)."""
+        if self.draining:
+            raise _unavailable("the server is shutting down")
+        accepting = getattr(self.engine, "accepting", True)
+        if not accepting:
+            raise _unavailable(self.engine.unavailable_reason())
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests, let those in flight finish for up to ``deadline_s``, end the rest.
+
+        The rest end like an engine failure (a final SSE error event, or a 503 body): their
+        clients see why, instead of a connection cut in the middle of a stream.
+        """
+        self.draining = True
+        stop_accepting = getattr(self.engine, "stop_accepting", None)
+        if stop_accepting is not None:
+            stop_accepting()
+        logger.info("shutdown: draining %d request(s) in flight", self.engine.num_active_requests)
+        if await self.engine.wait_idle(deadline_s):
+            logger.info("shutdown: every request finished during the drain")
+            return
+        failed = self.engine.fail_all(_SHUTDOWN_MESSAGE)
+        logger.info("shutdown: drain deadline of %.1f s passed; ended %d request(s) with an error", deadline_s,
+                    failed)
+        # Give the ended requests a moment to send their last event through the event loop.
+        await self.engine.wait_idle(1.0)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -302,6 +341,7 @@ class _OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
+        self.check_accepting()
         parsed = CompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
         prompt_token_ids = await self.completion_prompt(parsed)
@@ -310,6 +350,7 @@ class _OpenAIServing:
 
     async def chat_completions(self, request: Request) -> Response:
         started = time.perf_counter()
+        self.check_accepting()
         parsed = ChatCompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
         prompt_token_ids = await self.chat_prompt(parsed)
@@ -347,6 +388,8 @@ class _OpenAIServing:
             return Response(status_code=499)
         if generation.error is not None:
             logger.error("request %s failed in the engine: %s", prepared.request_id, generation.error)
+            if self.draining and generation.error == _SHUTDOWN_MESSAGE:
+                raise _unavailable(generation.error)
             raise APIError(generation.error, status_code=500, error_type=SERVER_ERROR, code="engine_error")
         usage_ = usage(len(prepared.prompt_token_ids), generation.completion_tokens, generation.cached_tokens)
         ids = prepared.parsed.return_token_ids
@@ -380,6 +423,8 @@ class _OpenAIServing:
                         continue  # only part of a character so far
                     yield sse_event(self._chunk(prepared, chat, text, token_ids, finish_reason, prompt_ids_pending))
                     prompt_ids_pending = False
+        except EngineDeadError as exc:  # the rank went away between the check and the send
+            generation.error = str(exc)
         except Exception as exc:
             logger.exception("stream of request %s failed", request_id)
             generation.error = f"internal error while streaming: {exc}"
@@ -578,6 +623,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             logger.debug("client error %d: %s", exc.status_code, exc.message)
         return _error_response(exc)
 
+    async def on_engine_unavailable(_request: Request, exc: Exception) -> Response:
+        return _error_response(_unavailable(str(exc)))
+
     async def on_invalid_request(_request: Request, exc: Exception) -> Response:
         return _error_response(APIError(str(exc)))
 
@@ -604,6 +652,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(InvalidRequestError, on_invalid_request)
+    app.add_exception_handler(EngineUnavailableError, on_engine_unavailable)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)

@@ -4,16 +4,18 @@
 how many ranks there are. A request goes to the rank that served the same
 prompt prefix before (its prefix cache is warm there) unless that rank is
 overloaded compared with the least loaded one; otherwise to the least loaded
-rank. Load is the number of requests a rank is working on.
+rank. Load is the number of requests a rank is working on. Only ranks whose engine is
+running take requests: while one restarts (or stays down) the others serve everything.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import AsyncIterator
 
 from cache_manager.block_hash import ROOT_HASH, hash_block
-from engine.engine_client import EngineClient
+from engine.engine_client import EngineClient, EngineUnavailableError
 from engine.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,12 +53,44 @@ class DPRouter:
             return None
         return hash_block(ROOT_HASH, prompt[: self.block_size], "router")
 
+    @property
+    def accepting(self) -> bool:
+        return any(c.accepting for c in self.clients)
+
+    def unavailable_reason(self) -> str:
+        return "; ".join(c.unavailable_reason() for c in self.clients if not c.accepting)
+
+    def stop_accepting(self) -> None:
+        for client in self.clients:
+            client.stop_accepting()
+
+    def fail_all(self, reason: str) -> int:
+        return sum(c.fail_all(reason) for c in self.clients)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        idle = True
+        for client in self.clients:
+            idle = await client.wait_idle(max(0.0, deadline - time.monotonic())) and idle
+        return idle
+
+    def engine_restarts(self) -> dict[int, int]:
+        restarts: dict[int, int] = {}
+        for client in self.clients:
+            restarts.update(client.engine_restarts())
+        return restarts
+
     def choose_rank(self, prompt: list[int]) -> int:
+        """The rank for a prompt; ``EngineUnavailableError`` if no rank takes requests now."""
+        available = [i for i, c in enumerate(self.clients) if c.accepting]
+        if not available:
+            raise EngineUnavailableError(self.unavailable_reason())
         loads = [c.num_active_requests for c in self.clients]
-        idlest = min(range(len(loads)), key=loads.__getitem__)
+        idlest = min(available, key=loads.__getitem__)
         key = self._prefix_key(prompt)
         owner = self._prefix_owner.get(key) if key else None
-        rank = owner if owner is not None and loads[owner] <= loads[idlest] + self.affinity_slack else idlest
+        warm = owner is not None and owner in available and loads[owner] <= loads[idlest] + self.affinity_slack
+        rank = owner if warm else idlest
         if key:
             self._prefix_owner[key] = rank
             self._prefix_owner.move_to_end(key)
@@ -79,7 +113,11 @@ class DPRouter:
             await self.clients[rank].abort(request_id)
 
     async def control(self, command: str, timeout: float = 30.0) -> dict:
-        results = [await c.control(command, timeout) for c in self.clients]
+        """Run ``command`` on every rank that is running (a restarting rank has nothing to report)."""
+        running = [c for c in self.clients if c.accepting]
+        if not running:
+            raise EngineUnavailableError(self.unavailable_reason())
+        results = [await c.control(command, timeout) for c in running]
         merged: dict = {"ranks": results}
         for result in results:
             for name, value in result.items():
@@ -117,4 +155,5 @@ class DPRouter:
             "workers": [{**w, "dp_rank": dp} for dp, r in enumerate(ranks) for w in r["workers"]],
             "cache_transfer": [{**t, "dp_rank": dp} for dp, r in enumerate(ranks) for t in r.get("cache_transfer", [])],
             "active_requests": self.num_active_requests,
+            "engine_restarts": sum(r.get("engine_restarts", 0) for r in ranks),
         }

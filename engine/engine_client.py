@@ -1,10 +1,15 @@
-"""The API server's handle on the engine process (asyncio + ZMQ).
+"""The API server's handle on the engine process of one DP rank (asyncio + ZMQ).
 
 Requests go out on one PUSH socket; one background task reads every
 ``RequestOutput`` batch the engine sends and hands each output to the queue of
 its request. ``generate`` is an async iterator per request; leaving it early
 (client gone, stop string hit) aborts the request in the engine so its blocks
 are freed.
+
+The engine process itself is supervised by launch.py (``EngineProcessView``): while it
+restarts, is down for good, or the server is stopping, ``generate`` refuses new requests
+with ``EngineUnavailableError`` (HTTP 503), and ``fail_all`` ends every request in flight
+with an error output (the engine that had them is gone, or the drain deadline passed).
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Protocol
 
 import zmq
 import zmq.asyncio
@@ -24,20 +29,54 @@ from inter_communicator.instance_signals import InstanceSignals
 
 logger = logging.getLogger(__name__)
 
+_CONTROL_PREFIX = "control-"
+
 
 class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineUnavailableError(EngineDeadError):
+    """This rank takes no requests now (restarting, down, or the server is stopping): HTTP 503."""
+
+
+# EngineProcessView.state values.
+STATE_STARTING = "starting"
+STATE_RUNNING = "running"
+STATE_RESTARTING = "restarting"
+STATE_DOWN = "down"
+STATE_STOPPING = "stopping"
+
+
+class EngineProcessView(Protocol):
+    """What the client needs from launch.py's supervisor of one engine process."""
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    def alive(self) -> bool: ...
+
+
 class EngineClient:
     def __init__(self, tokenizer: Tokenizer, requests_addr: str, outputs_addr: str, signals: InstanceSignals,
-                 engine_alive: Callable[[], bool]) -> None:
+                 engine: EngineProcessView, dp_rank: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.dp_rank = dp_rank
         self._requests_addr = requests_addr
         self._outputs_addr = outputs_addr
         self._signals = signals
-        self._engine_alive = engine_alive
+        self._engine = engine
+        self._stopping = False
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Set while no request is in flight (the shutdown drain waits on it).
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._context: zmq.asyncio.Context | None = None
         self._push: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -72,9 +111,65 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(output)
 
+    def _engine_alive(self) -> bool:
+        return self._engine.alive()
+
     @property
     def num_active_requests(self) -> int:
         return len(self._queues)
+
+    @property
+    def accepting(self) -> bool:
+        """True if a new request would be sent to a running engine."""
+        return not self._stopping and self._engine.state == STATE_RUNNING and self._engine.alive()
+
+    def unavailable_reason(self) -> str:
+        """Why ``accepting`` is False (for the 503 message)."""
+        state = self._engine.state
+        if self._stopping or state == STATE_STOPPING:
+            return "the server is shutting down"
+        if state == STATE_DOWN:
+            return (f"the engine of DP rank {self.dp_rank} failed too often and was not restarted; "
+                    "the server needs a restart")
+        if state in (STATE_RESTARTING, STATE_STARTING) or not self._engine.alive():
+            return f"the engine of DP rank {self.dp_rank} is restarting after a failure; retry in a few seconds"
+        return "the engine is available"
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (shutdown); requests in flight go on."""
+        self._stopping = True
+
+    def engine_restarts(self) -> dict[int, int]:
+        """Engine process restarts by DP rank."""
+        return {self.dp_rank: self._engine.restarts}
+
+    def fail_all(self, reason: str) -> int:
+        """End every request in flight with an error output ``reason``; returns how many."""
+        for request_id, queue in list(self._queues.items()):
+            if request_id.startswith(_CONTROL_PREFIX):
+                queue.put_nowait(ControlReply(request_id, {}, error=reason))
+            else:
+                queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason))
+        return len(self._queues)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no request is in flight; True if none is."""
+        if not self._queues:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return not self._queues
+        return True
+
+    def _register(self, request_id: str, queue: asyncio.Queue) -> None:
+        self._queues[request_id] = queue
+        self._idle.clear()
+
+    def _unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        if not self._queues:
+            self._idle.set()
 
     def engine_stats(self) -> dict[str, int]:
         """The engine's gauges from shared memory, by ``ENGINE_STATS`` name (read without a message)."""
@@ -89,12 +184,12 @@ class EngineClient:
         return parts[1], int(parts[3])
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        if not self._engine_alive():
-            raise EngineDeadError("the engine process is not running")
+        if not self.accepting:
+            raise EngineUnavailableError(self.unavailable_reason())
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        self._register(request.request_id, queue)
         request.arrival_time = request.arrival_time or time.time()
         finished = False
         try:
@@ -104,7 +199,7 @@ class EngineClient:
                 finished = output.finished
                 yield output
         finally:
-            self._queues.pop(request.request_id, None)
+            self._unregister(request.request_id)
             if not finished:
                 await self.abort(request.request_id)
 
@@ -120,23 +215,29 @@ class EngineClient:
 
     async def control(self, command: str, timeout: float = 30.0) -> dict:
         """Run an engine command (``reset_prefix_cache``, ``cache_stats``) and return its result."""
-        if not self._engine_alive():
-            raise EngineDeadError("the engine process is not running")
-        request_id = f"control-{uuid.uuid4().hex}"
+        if not self.accepting:
+            raise EngineUnavailableError(self.unavailable_reason())
+        request_id = f"{_CONTROL_PREFIX}{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._register(request_id, queue)
         try:
             await self._push.send_pyobj(ControlRequest(request_id, command))
             reply: ControlReply = await asyncio.wait_for(queue.get(), timeout)
         finally:
-            self._queues.pop(request_id, None)
+            self._unregister(request_id)
         if reply.error:
             raise ValueError(reply.error)
         return reply.result
 
     async def abort(self, request_id: str) -> None:
-        if self._push is not None and self._engine_alive():
-            await self._push.send_pyobj(AbortRequest(request_id))
+        # Only a running engine knows the request; a restarting one has no peer socket yet, and
+        # a blocking send there would hang the caller's (shielded) clean-up.
+        if self._push is None or self._engine.state != STATE_RUNNING or not self._engine_alive():
+            return
+        try:
+            await self._push.send_pyobj(AbortRequest(request_id), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("could not queue the abort of %s: the engine is not connected", request_id)
 
     def is_healthy(self) -> bool:
         return self.health()["status"] == "ok"
@@ -146,8 +247,10 @@ class EngineClient:
         engine_beat_age = now - float(self._signals.engine_heartbeat.value[0])
         worker_beat_ages = [now - float(t) for t in self._signals.worker_heartbeat.value]
         timeout = envs.FD_HEARTBEAT_TIMEOUT
+        state = self._engine.state
         healthy = (
             self._engine_alive()
+            and state == STATE_RUNNING
             and bool(self._signals.engine_ready.value[0])
             and all(bool(r) for r in self._signals.worker_ready.value)
             and engine_beat_age < timeout
@@ -156,7 +259,9 @@ class EngineClient:
         return {
             "status": "ok" if healthy else "unhealthy",
             "engine": {"alive": self._engine_alive(), "ready": bool(self._signals.engine_ready.value[0]),
-                       "heartbeat_age_s": round(engine_beat_age, 3)},
+                       "heartbeat_age_s": round(engine_beat_age, 3), "pid": self._engine.pid, "state": state,
+                       "restarts": self._engine.restarts},
+            "engine_restarts": self._engine.restarts,
             "workers": [{"rank": rank, "ready": bool(ready), "heartbeat_age_s": round(age, 3), "pid": int(pid)}
                         for rank, (ready, age, pid) in enumerate(zip(self._signals.worker_ready.value,
                                                                      worker_beat_ages, self._signals.worker_pid.value))],

@@ -607,9 +607,26 @@ def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
     set_parent_death_signal()
     setup_logging("engine", config.dp_rank)
     stop_event = threading.Event()
-    install_shutdown_handlers(stop_event.set)
-    ParentWatcher(callback=stop_event.set).start()
+    wake_lock = threading.RLock()
+    wake: list[zmq.Socket] = []
+
+    def request_stop() -> None:
+        stop_event.set()
+        # An idle engine blocks up to POLL_MS on its request socket: a no-op message (the abort of
+        # an unknown request) wakes it now. Under a lock: the parent watcher is another thread.
+        with wake_lock:
+            if wake:
+                try:
+                    wake[0].send_pyobj(AbortRequest("engine-stop-wake-up"), flags=zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    logger.debug("could not wake the engine loop: %s", exc)
+
+    install_shutdown_handlers(request_stop)
+    ParentWatcher(callback=request_stop).start()
     engine = Engine(config, addresses, stop_event)
+    with wake_lock:
+        wake.append(engine.context.socket(zmq.PUSH))
+        wake[0].connect(addresses.requests)
     exit_code = 0
     try:
         engine.start_workers()
@@ -622,6 +639,8 @@ def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
         exit_code = 1
     finally:
         engine.stop_workers()
+        with wake_lock:
+            wake.pop().close(linger=0)
         engine.close()
         logger.info("engine exited")
     if exit_code:

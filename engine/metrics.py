@@ -9,6 +9,8 @@ scrape-time collection of engine-side state:
 
 - scheduler gauges and counters from the engine's ``ENGINE_STATS`` shared memory, read by name
   (fields appended later are tolerated; ``worker_restarts`` is 0 while the engine lacks it);
+- engine process restarts per DP rank (``fdserve:engine_restarts{dp_rank=...}``), counted by the
+  API server's supervisor (the engine's own counters restart from 0 with a new engine process);
 - prefix-cache counters (hit tokens per tier, swap / write-back / storage miss and error counts)
   from the engine's ``cache_stats`` control command, bounded by ``FD_METRICS_ENGINE_TIMEOUT``: a
   slow or dead engine never hangs ``/metrics``, the last values received are served instead
@@ -296,6 +298,13 @@ class EngineStateCollector:
             yield self._counter(name, doc, stats.get(key, 0))
         yield self._gauge("api_server_active_requests", "Requests the API server is waiting on the engine for.",
                           self._engine.num_active_requests)
+        engine_restarts = getattr(self._engine, "engine_restarts", None)
+        if engine_restarts is not None:
+            family = CounterMetricFamily(PREFIX + "engine_restarts", "Engine processes the API server restarted "
+                                         "after they died, by DP rank.", labels=["model_name", "dp_rank"])
+            for rank, count in sorted(engine_restarts().items()):
+                family.add_metric([self._model_name, str(rank)], count)
+            yield family
 
     def _cache_metrics(self) -> Iterable[Metric]:
         stats = self._cache_stats

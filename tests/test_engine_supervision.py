@@ -1,0 +1,175 @@
+"""The API server supervises its engine processes: SIGKILL an engine, the server serves again.
+
+Real processes throughout: the engine (and with it its worker) is killed while requests are
+in flight; those requests end with an error, the API server restarts the engine of that DP
+rank, and new requests get the reference greedy output again. The restart budget itself is
+checked without processes (``RestartBudget``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from launch import RestartBudget
+from tests.server_utils import ServerProcess, expected_prefix, load_reference, shm_names
+
+REFERENCE = load_reference()
+RECOVERY_TIMEOUT_S = 60.0
+
+
+def health(server: ServerProcess) -> dict:
+    return httpx.get(server.base_url + "/health", timeout=10).json()
+
+
+def complete(server: ServerProcess, entry: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/completions", timeout=timeout, json={
+        "prompt": entry["prompt_ids"], "max_tokens": len(entry["output_ids"]), "temperature": 0,
+        "return_token_ids": True})
+
+
+def assert_reference_output(server: ServerProcess, entry: dict = REFERENCE[0]) -> None:
+    resp = complete(server, entry)
+    assert resp.status_code == 200, resp.text
+    ours, ref = expected_prefix(entry, resp.json()["choices"][0]["completion_token_ids"])
+    assert ours == ref
+
+
+def stream_until_end(server: ServerProcess, events: list[str], first_chunk: threading.Event) -> None:
+    body = {"prompt": REFERENCE[1]["prompt_ids"], "max_tokens": 1000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    events.append(line)
+                    first_chunk.set()
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc}")
+    finally:
+        first_chunk.set()
+
+
+def assert_ended_with_engine_error(events: list[str]) -> None:
+    errors = [e for e in events if e.startswith("data: {") and '"error"' in e]
+    assert errors, f"no error event in the stream: {events[-3:]}"
+    assert "engine process died" in json.loads(errors[-1][len("data: "):])["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+
+
+def wait_for_restart(server: ServerProcess, old_pid: int, rank: int | None = None) -> dict:
+    """Poll until the engine (of ``rank``) runs under a new pid and /health is ok; returns its health."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    last: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            last = health(server)
+        except httpx.TransportError:
+            last = {}
+        engine = (last["ranks"][rank] if rank is not None else last).get("engine", {}) if last else {}
+        if last.get("status") == "ok" and engine.get("pid") not in (None, old_pid):
+            return last
+        time.sleep(0.5)
+    pytest.fail(f"no restarted engine within {RECOVERY_TIMEOUT_S:.0f} s: {last}\n{server.log_tail()}")
+
+
+def start_stream(server: ServerProcess) -> tuple[threading.Thread, list[str]]:
+    events: list[str] = []
+    got_chunk = threading.Event()
+    thread = threading.Thread(target=stream_until_end, args=(server, events, got_chunk), daemon=True)
+    thread.start()
+    assert got_chunk.wait(60), "no token within 60 s"
+    return thread, events
+
+
+@pytest.mark.integration
+def test_engine_sigkill_fails_in_flight_requests_and_the_engine_is_restarted():
+    with ServerProcess() as server:
+        stream, events = start_stream(server)
+        blocking: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: blocking.append(complete(server, REFERENCE[2])), daemon=True)
+        waiter.start()
+        before = health(server)
+        engine_pid, worker_pid = before["engine"]["pid"], before["workers"][0]["pid"]
+        assert before["engine_restarts"] == 0
+        killed_at = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+
+        stream.join(30)
+        waiter.join(30)
+        assert not stream.is_alive() and not waiter.is_alive(), "a request hung after its engine died"
+        assert_ended_with_engine_error(events)
+        assert blocking[0].status_code == 500, blocking[0].text
+        assert "engine process died" in blocking[0].json()["error"]["message"]
+
+        # While the new engine loads, requests are refused at once, never left hanging.
+        during = complete(server, REFERENCE[0], timeout=30)
+        if during.status_code != 200:
+            assert during.status_code == 503, during.text
+            assert "restarting" in during.json()["error"]["message"]
+
+        after = wait_for_restart(server, engine_pid)
+        assert time.monotonic() - killed_at < RECOVERY_TIMEOUT_S
+        assert after["engine_restarts"] == 1 and after["engine"]["restarts"] == 1
+        assert after["workers"][0]["pid"] != worker_pid
+        for entry in REFERENCE[:2]:
+            assert_reference_output(server, entry)
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+        assert 'fdserve:engine_restarts_total{dp_rank="0"' in metrics
+        line = next(l for l in metrics.splitlines() if l.startswith("fdserve:engine_restarts_total{"))
+        assert float(line.rsplit(" ", 1)[1]) == 1.0
+    assert server.proc.returncode == 0, server.log_tail()
+    assert shm_names(server.instance_id) == []
+
+
+@pytest.mark.integration
+def test_data_parallel_engine_sigkill_only_fails_its_rank_and_the_other_rank_keeps_serving():
+    with ServerProcess("--data-parallel-size", "2") as server:
+        stream, events = start_stream(server)
+        ranks = health(server)["ranks"]
+        # The stream went to the idlest rank; kill that one's engine.
+        busy = max(range(2), key=lambda r: ranks[r]["active_requests"])
+        victim_pid = ranks[busy]["engine"]["pid"]
+        survivor_pid = ranks[1 - busy]["engine"]["pid"]
+        # The worker dies with its engine here, too abruptly to remove its KV-cache segment:
+        # the API server must sweep it, or the new worker could not create it again.
+        os.kill(victim_pid, signal.SIGKILL)
+        os.kill(ranks[busy]["workers"][0]["pid"], signal.SIGKILL)
+        stream.join(30)
+        assert not stream.is_alive()
+        assert_ended_with_engine_error(events)
+        # The live rank serves every new request while the other one restarts.
+        for entry in REFERENCE[:2]:
+            assert_reference_output(server, entry)
+        assert health(server)["ranks"][1 - busy]["engine"]["pid"] == survivor_pid
+        after = wait_for_restart(server, victim_pid, rank=busy)
+        assert after["ranks"][busy]["engine_restarts"] == 1
+        assert after["ranks"][1 - busy]["engine_restarts"] == 0
+        assert after["engine_restarts"] == 1
+        assert f"kvcache_tp0.{busy} left by the dead engine" in server.log_path.read_text(errors="replace")
+        assert_reference_output(server, REFERENCE[3])
+    assert shm_names(server.instance_id) == []
+
+
+def test_restart_budget_allows_five_restarts_per_window_then_refuses():
+    now = [1000.0]
+    budget = RestartBudget(max_restarts=5, window_s=300.0, clock=lambda: now[0])
+    for _ in range(5):
+        assert budget.record()
+        now[0] += 10.0
+    assert not budget.record()  # the 6th within 300 s
+    assert not budget.record()
+
+
+def test_restart_budget_forgets_restarts_older_than_the_window():
+    now = [0.0]
+    budget = RestartBudget(max_restarts=2, window_s=300.0, clock=lambda: now[0])
+    assert budget.record() and budget.record()
+    now[0] = 301.0
+    assert budget.record() and budget.record()  # the first two have left the window
+    assert budget.record() is False
