@@ -75,6 +75,21 @@ class LoadPlan:
 
 
 @dataclass
+class PrefixMatch:
+    """What admitting a sequence would take from the cache, computed without changing anything."""
+
+    hit_block_ids: list[int] = field(default_factory=list)  # device blocks shared as they are
+    hit_hashes: list[str] = field(default_factory=list)
+    fills: list[tuple[str, str]] = field(default_factory=list)  # (hash, "host" | "storage"), after the hits
+    num_evictable_hits: int = 0  # hits that are unreferenced cached blocks: sharing takes them off the free count
+    clears_skip_cache: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hit_block_ids) + len(self.fills)
+
+
+@dataclass
 class CacheStats:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -84,6 +99,7 @@ class CacheStats:
     write_back_blocks: int = 0
     write_back_failed: int = 0
     transfer_timeouts: int = 0
+    transfers_overdue: int = 0  # in-flight transfers of any kind seen past their deadline (each counted once)
 
 
 @dataclass
@@ -102,7 +118,8 @@ class CacheConfig:
 
 class PrefixCacheManager:
     def __init__(self, config: CacheConfig, state_array: np.ndarray | None = None,
-                 submit: Callable[[TransferTask], None] | None = None) -> None:
+                 submit: Callable[[TransferTask], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if config.num_gpu_blocks < 1 or config.block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"{config.num_gpu_blocks} x {config.block_size}")
@@ -123,9 +140,12 @@ class PrefixCacheManager:
         self._host_index: dict[str, int] = {}
         self._stored: set[str] = set()  # hashes this engine wrote to storage successfully
         self._submit = submit
+        self._clock = clock  # monotonic seconds; tests pass their own to move deadlines
         self._next_task_id = 0
         self._tasks: dict[int, TransferTask] = {}
         self._task_hashes: dict[int, list[str]] = {}
+        self._task_deadlines: dict[int, float] = {}  # task id -> monotonic deadline, in issue order
+        self._reported_overdue: set[int] = set()
         self._plans: dict[int, LoadPlan] = {}  # task id -> plan waiting for it
         self._plans_by_seq: dict[str, LoadPlan] = {}
         self._num_swapping_out = 0
@@ -151,6 +171,13 @@ class PrefixCacheManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def try_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to hold ``num_tokens`` tokens if the blocks are there; False changes nothing."""
+        if not self.can_allocate(seq, num_tokens):
+            return False
+        self.allocate(seq, num_tokens)
+        return True
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (all or nothing)."""
@@ -209,40 +236,85 @@ class PrefixCacheManager:
 
     # ---- admission: prefix match and fills ---------------------------------------
 
-    def admit(self, seq: Sequence) -> None:
-        """Give a sequence entering the running set its cached prefix.
+    def match(self, seq: Sequence) -> PrefixMatch:
+        """The cached prefix ``seq`` would get: device hits, then host/storage fills. Changes nothing.
 
-        Device hits are shared at once; host and storage hits get fresh blocks
-        filled by the transfer process, and the sequence waits (``is_loading``)
-        until they complete. At least one prompt token is always left to compute,
-        so the first step has a position to sample from.
+        At least one prompt token is always left to compute, so the first step has a
+        position to sample from. Fills are limited to the blocks that are free after
+        the hits were shared, so committing the match can never run out of blocks.
         """
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        result = PrefixMatch(clears_skip_cache=seq.skip_cache_once)
         if not self.config.enable_prefix_caching:
-            return
+            return result
         use_lower_tiers = not seq.skip_cache_once
-        seq.skip_cache_once = False
         tokens = seq.token_ids_slice(0, seq.num_tokens)
         matchable = (len(tokens) - 1) // self.block_size
         parent = ROOT_HASH
-        device_hits, fills = 0, []  # fills: (block index, hash, source tier, host id)
         for index in range(matchable):
             block_hash = hash_block(parent, tokens[index * self.block_size:(index + 1) * self.block_size],
                                     self.config.model_fingerprint)
             parent = block_hash
-            if not fills and block_hash in self._device_index:
-                self._share_device_block(seq, self._device_index[block_hash])
-                seq.block_hashes.append(block_hash)
-                device_hits += 1
+            if not result.fills and block_hash in self._device_index:
+                block_id = self._device_index[block_hash]
+                result.hit_block_ids.append(block_id)
+                result.hit_hashes.append(block_hash)
+                if block_id in self._cached_lru:
+                    result.num_evictable_hits += 1
                 continue
             source = self._lower_tier_source(block_hash) if use_lower_tiers else None
-            if source is None or self.num_free_blocks <= len(fills):
+            if source is None or self.num_free_blocks - result.num_evictable_hits <= len(result.fills):
                 break
-            fills.append((index, block_hash, source))
-        self.stats.device_hit_tokens += device_hits * self.block_size
-        if fills:
-            self._start_fills(seq, fills)
+            result.fills.append((block_hash, source))
+        return result
+
+    def admission_cost(self, seq: Sequence, found: PrefixMatch, max_new_tokens: int) -> int:
+        """Blocks taken from the free count by committing ``found`` and allocating the first chunk."""
+        computed = found.num_blocks * self.block_size
+        first_chunk = min(seq.num_tokens - computed, max_new_tokens)
+        beyond = max(0, self.blocks_needed(computed + first_chunk) - found.num_blocks)
+        return found.num_evictable_hits + len(found.fills) + beyond
+
+    def try_admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+        """Admit ``seq`` if its cached prefix and its first chunk (up to ``max_new_tokens``) fit now.
+
+        The check runs on the need after the prefix match, so the allocation that
+        follows for ``min(seq.num_uncomputed_tokens, max_new_tokens)`` tokens cannot
+        fail. If even the match without lower-tier fills does not fit, nothing changes
+        and False is returned: the sequence keeps waiting.
+        """
+        if seq.block_table:
+            raise ValueError(f"{seq.request_id} is admitted while it still holds blocks {seq.block_table}")
+        found = self.match(seq)
+        free = self.num_free_blocks
+        # Fills draw fresh blocks and push the first chunk further out: drop them from the end until it fits.
+        while found.fills and self.admission_cost(seq, found, max_new_tokens) > free:
+            found.fills.pop()
+        if self.admission_cost(seq, found, max_new_tokens) > free:
+            return False
+        self.commit_admission(seq, found)
+        return True
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a sequence entering the running set its cached prefix (no capacity check for a first chunk).
+
+        Device hits are shared at once; host and storage hits get fresh blocks
+        filled by the transfer process, and the sequence waits (``is_loading``)
+        until they complete.
+        """
+        self.commit_admission(seq, self.match(seq))
+
+    def commit_admission(self, seq: Sequence, found: PrefixMatch) -> None:
+        """Apply a ``match`` made in this same state (nothing may have changed the cache in between)."""
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        if found.clears_skip_cache:
+            seq.skip_cache_once = False
+        for block_id, block_hash in zip(found.hit_block_ids, found.hit_hashes):
+            self._share_device_block(seq, block_id)
+            seq.block_hashes.append(block_hash)
+        self.stats.device_hit_tokens += len(found.hit_block_ids) * self.block_size
+        if found.fills:
+            self._start_fills(seq, found.fills)
         # Counted as computed now; the scheduler does not run the sequence until the fills landed,
         # and a failed fill lowers it again (_finish_plan).
         seq.num_computed_tokens = len(seq.block_hashes) * self.block_size
@@ -266,12 +338,12 @@ class PrefixCacheManager:
             return "storage"
         return None
 
-    def _start_fills(self, seq: Sequence, fills: list[tuple[int, str, str]]) -> None:
+    def _start_fills(self, seq: Sequence, fills: list[tuple[str, str]]) -> None:
         plan = LoadPlan(seq, block_hashes=list(seq.block_hashes), first_fill=len(seq.block_hashes),
-                        deadline=time.monotonic() + self.config.transfer_timeout_s)
+                        deadline=self._clock() + self.config.transfer_timeout_s)
         swap_in: list[tuple[int, int, str]] = []
         prefetch: list[tuple[int, str]] = []
-        for _index, block_hash, source in fills:
+        for block_hash, source in fills:
             block_id = self._take_block()
             plan.fill_sources[len(seq.block_table)] = source
             seq.block_table.append(block_id)
@@ -304,7 +376,7 @@ class PrefixCacheManager:
 
     def expired_loads(self) -> list[Sequence]:
         """Sequences whose fills exceeded the transfer timeout: the caller preempts them (cache miss)."""
-        now = time.monotonic()
+        now = self._clock()
         expired = [p.seq for p in self._plans_by_seq.values() if p.pending_tasks and now > p.deadline]
         for seq in expired:
             logger.warning("KV fills for %s timed out after %.0f s; recomputing instead", seq.request_id,
@@ -438,6 +510,7 @@ class PrefixCacheManager:
                 self._set_state(block, state)
         self._tasks[task.task_id] = task
         self._task_hashes[task.task_id] = hashes
+        self._task_deadlines[task.task_id] = self._clock() + self.config.transfer_timeout_s
         if plan is not None:
             plan.pending_tasks.add(task.task_id)
             self._plans[task.task_id] = plan
@@ -446,6 +519,26 @@ class PrefixCacheManager:
     @property
     def num_pending_transfers(self) -> int:
         return len(self._tasks)
+
+    def overdue_transfers(self) -> list[TransferTask]:
+        """In-flight tasks of any kind past their deadline, oldest first.
+
+        Their blocks stay quarantined: the copy may still be running. The caller
+        restarts the transfer process and then calls ``fail_all_transfers``.
+        """
+        now = self._clock()
+        overdue = []
+        for task_id, deadline in self._task_deadlines.items():  # insertion order = issue order
+            if now <= deadline:
+                continue
+            task = self._tasks[task_id]
+            overdue.append(task)
+            if task_id not in self._reported_overdue:
+                self._reported_overdue.add(task_id)
+                self.stats.transfers_overdue += 1
+                logger.warning("KV transfer %d (%s, %d blocks) is past its %.0f s deadline", task_id, task.kind,
+                               len(self._task_hashes[task_id]), self.config.transfer_timeout_s)
+        return overdue
 
     def on_transfer_started(self, task_id: int) -> None:
         plan = self._plans.get(task_id)
@@ -458,6 +551,8 @@ class PrefixCacheManager:
             logger.warning("completion for unknown transfer %d (%s)", done.task_id, done.kind)
             return
         hashes = self._task_hashes.pop(done.task_id)
+        self._task_deadlines.pop(done.task_id, None)
+        self._reported_overdue.discard(done.task_id)
         ok = list(done.ok) + [False] * (len(hashes) - len(done.ok))
         if done.error:
             logger.error("transfer %d (%s) failed: %s", done.task_id, task.kind, done.error)

@@ -33,13 +33,21 @@ class TransferLog:
         raise AssertionError(f"no {kind} task in {[t.kind for t in self.tasks]}")
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def manager(num_blocks: int = 16, num_cpu_blocks: int = 0, storage: bool = False, policy: str = "write_through",
-            watermark: float = 0.0) -> tuple[PrefixCacheManager, TransferLog, np.ndarray]:
+            watermark: float = 0.0, clock: Clock | None = None) -> tuple[PrefixCacheManager, TransferLog, np.ndarray]:
     log = TransferLog()
     states = np.zeros(num_blocks, np.int8)
     config = CacheConfig(num_blocks, BS, "fp", num_cpu_blocks=num_cpu_blocks, storage_enabled=storage,
-                         write_policy=policy, offload_watermark=watermark)
-    return PrefixCacheManager(config, states, submit=log), log, states
+                         write_policy=policy, offload_watermark=watermark, transfer_timeout_s=10.0)
+    return PrefixCacheManager(config, states, submit=log, clock=clock or Clock()), log, states
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
@@ -245,3 +253,121 @@ def test_offload_counts_blocks_already_moving_to_the_host():
     assert len(first.device_block_ids) == 4
     cache.offload()  # the 4 in flight already cover the watermark: no second victim set
     assert not [t for t in log.tasks if t.kind == "swap_out"]
+
+
+def test_admission_counts_evictable_hits_and_the_first_chunk_after_the_prefix():
+    # Issue 10: 3 cached blocks are "free" until shared; a 4-token first chunk after the 12 cached tokens
+    # then needs a 4th block. Checking the prompt's first chunk before the match said 1 block, 3 free.
+    cache, _, states = manager(num_blocks=6)
+    a = seq("a", PROMPT)
+    run_prefill(cache, a)
+    cached = a.block_table[:3]
+    cache.free(a)
+    hog = seq("hog", list(range(500, 512)))
+    cache.allocate(hog, 12)  # 3 never-used blocks: what is left is the 3 cached ones
+    assert cache.num_free_blocks == 3 and cache.num_cached_blocks == 3
+    b = seq("b", PROMPT + [7, 7, 7])  # 17 tokens: 3 blocks hit, 5 tokens to compute
+    before = states.copy()
+    assert not cache.try_admit(b, max_new_tokens=4)
+    # Nothing happened: no block shared, nothing counted, the cached blocks still evictable.
+    assert b.block_table == [] and b.num_computed_tokens == 0 and cache.stats.device_hit_tokens == 0
+    assert (states == before).all() and cache.num_free_blocks == 3
+    cache.free(hog)
+    assert cache.try_admit(b, max_new_tokens=4)
+    assert b.num_computed_tokens == 12 and b.block_table == cached
+    assert cache.try_allocate(b, 12 + 4) and len(b.block_table) == 4
+
+
+def test_admission_drops_lower_tier_fills_that_do_not_fit_with_the_first_chunk():
+    cache, log, _ = manager(num_blocks=4, storage=True)
+    a = seq("a", PROMPT)
+    run_prefill(cache, a)
+    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
+    cache.free(a)
+    cache.reset()
+    hog = seq("hog", list(range(500, 504)))
+    cache.allocate(hog, 4)  # 3 of 4 blocks left
+    b = seq("b", PROMPT + [7, 7, 7])
+    # 3 prefetched blocks + a 4th for the chunk after them do not fit; 2 fills + the chunk's block do.
+    assert cache.try_admit(b, max_new_tokens=4)
+    task = log.pop("prefetch")
+    assert len(task.device_block_ids) == 2 and b.num_computed_tokens == 2 * BS
+    cache.on_transfer_done(TransferDone(task.task_id, "prefetch", ok=[True, True]))
+    assert cache.try_allocate(b, 2 * BS + 4) and cache.num_free_blocks == 0
+
+
+def test_swaps_and_write_backs_get_a_deadline_and_overdue_ones_stay_quarantined():
+    clock = Clock()
+    cache, log, states = manager(num_blocks=12, num_cpu_blocks=8, storage=True, watermark=1.0, clock=clock)
+    a = seq("a", PROMPT)
+    run_prefill(cache, a)  # write_through of its 3 full blocks
+    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
+    cache.free(a)
+    cache.offload()
+    out = log.pop("swap_out")
+    cache.on_transfer_done(TransferDone(out.task_id, "swap_out", ok=[True] * 3))
+    clock.now += 1
+    b = seq("b", PROMPT)
+    cache.admit(b)
+    swap_in = log.pop("swap_in")
+    clock.now += 1
+    c = seq("c", list(range(300, 309)))
+    run_prefill(cache, c)
+    write = log.pop("write_back")
+    clock.now += 1
+    d = seq("d", list(range(400, 405)))
+    run_prefill(cache, d)
+    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True]))
+    cache.free(d)
+    cache.offload()
+    out2 = log.pop("swap_out")
+    assert cache.overdue_transfers() == []
+    clock.now += 9.5  # swap_in and write were issued more than 10 s ago, out2 not yet
+    assert [t.task_id for t in cache.overdue_transfers()] == [swap_in.task_id, write.task_id]
+    clock.now += 5
+    overdue = cache.overdue_transfers()
+    assert [t.task_id for t in overdue] == [swap_in.task_id, write.task_id, out2.task_id]
+    assert cache.stats.transfers_overdue == 3  # each task counted once however often it is seen
+    assert cache.summary()["transfers_overdue"] == 3
+    # Still quarantined: the copy may still be running in the transfer process.
+    assert all(states[i] == BlockState.SWAP_IN for i in swap_in.device_block_ids)
+    assert all(states[i] == BlockState.WRITE_BACK for i in write.device_block_ids)
+    assert all(states[i] == BlockState.SWAP_OUT for i in out2.device_block_ids)
+    assert cache.is_loading(b)
+    cache.free(b)
+    cache.free(c)
+    cache.fail_all_transfers()  # what the engine does after restarting the transfer process
+    assert cache.num_pending_transfers == 0 and cache.overdue_transfers() == []
+    assert cache.num_free_blocks == 12 and all(h.pinned == 0 for h in cache.host_blocks)
+    host_free = sorted(cache._host_free)
+    assert len(set(host_free)) == len(host_free)
+    # The old process's completions arrive after all: unknown ids, ignored, nothing released twice.
+    for task in (swap_in, write, out2):
+        cache.on_transfer_done(TransferDone(task.task_id, task.kind, ok=[True] * 3))
+    assert cache.num_free_blocks == 12 and sorted(cache._host_free) == host_free
+    assert all(states[i] in (BlockState.FREE, BlockState.CACHED) for i in range(12))
+
+
+def test_late_fill_completion_after_a_timeout_releases_the_blocks():
+    clock = Clock()
+    cache, log, states = manager(num_blocks=7, storage=True, clock=clock)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a = seq("a", PROMPT)
+    run_prefill(cache, a)
+    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
+    cache.free(a)
+    cache.reset()
+    sched.add(seq("b", PROMPT))
+    assert sched.schedule() is None
+    task = log.pop("prefetch")
+    clock.now += 11
+    assert cache.overdue_transfers() == [task]
+    expired = cache.expired_loads()
+    assert [s.request_id for s in expired] == ["b"] and cache.stats.transfer_timeouts == 1
+    sched.preempt(expired[0])
+    assert cache.num_free_blocks == 4  # the 3 blocks being filled stay quarantined
+    batch = sched.schedule()  # b is recomputed without the storage tier, in the 4 other blocks
+    assert batch.seqs[0].context_len == 14 and not log.tasks
+    cache.on_transfer_done(TransferDone(task.task_id, "prefetch", ok=[True] * 3))
+    assert all(states[d] == BlockState.FREE for d in task.device_block_ids)
+    assert cache.num_free_blocks == 3  # b holds 4 blocks

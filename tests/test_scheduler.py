@@ -150,3 +150,47 @@ def test_block_manager_allocation_is_all_or_nothing():
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 1
     bm.free(seq)
     assert bm.num_free_blocks == 3
+
+
+def test_waiting_request_whose_prefix_match_leaves_too_few_blocks_keeps_waiting():
+    # Issue 10: the next turn of a chat hits 3 cached blocks, which were counted as free, and its first
+    # 4-token chunk after them needs a 4th block. It must wait for blocks, not crash the engine.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=4, prefix_caching=True)
+    sched.add(make_seq("a", prompt_len=13, max_tokens=1))
+    while sched.has_work():
+        sched.update(answer(sched.schedule()))
+    sched.add(Sequence("hog", list(range(100, 111)), SamplingParams(max_tokens=3), eos_token_ids=(EOS,)))
+    for _ in range(3):
+        sched.update(answer(sched.schedule()))  # hog takes the 3 never-used blocks
+    assert sched.block_manager.num_free_blocks == 3 and sched.block_manager.summary()["kv_blocks_cached"] == 3
+    turn = make_seq("b", prompt_len=17, max_tokens=1)  # a's prompt + 4 more tokens
+    sched.add(turn)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["hog"] and turn.block_table == []
+    sched.update(answer(batch, token=EOS))  # hog ends: its blocks are free again
+    batch = sched.schedule()
+    assert [(s.request_id, s.context_len) for s in batch.seqs] == [("b", 16)]
+    assert turn.num_cached_tokens == 12
+
+
+def test_prompt_that_can_never_fit_the_pool_is_rejected():
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    out = sched.add(make_seq("a", prompt_len=9))
+    assert out.finished and out.finish_reason == "error" and "needs 3 KV blocks" in out.error
+    assert "the pool has 2" in out.error and not sched.has_work()
+
+
+def test_lone_sequence_that_outgrows_the_pool_ends_with_an_error_instead_of_looping():
+    sched = make_scheduler(num_blocks=2, block_size=4, budget=4)
+    sched.add(make_seq("a", prompt_len=6, max_tokens=100, ignore_eos=True))
+    outputs = []
+    for _ in range(20):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        outputs += sched.update(answer(batch))
+    # 8 tokens fill both blocks; the 9th would need a third.
+    assert outputs[-1].finished and outputs[-1].finish_reason == "error"
+    assert "needs 3 KV blocks" in outputs[-1].error and "the pool has 2" in outputs[-1].error
+    assert sum(len(o.new_token_ids) for o in outputs) == 3 and sched.num_preemptions == 0
+    assert not sched.has_work() and sched.block_manager.num_free_blocks == 2
