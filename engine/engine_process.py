@@ -210,9 +210,7 @@ class Engine:
             if ready[rank] and age > self._transfer_timeout and proc.is_alive():
                 return (f"{proc.name} (pid {proc.pid}) made no progress for {age:.0f} s "
                         f"(FD_CACHE_TRANSFER_TIMEOUT={self._transfer_timeout:g} s)")
-        # TEMPORARY getattr: PrefixCacheManager.overdue_transfers lands with the admission rewrite.
-        overdue_transfers = getattr(self.cache, "overdue_transfers", None)
-        overdue = overdue_transfers() if overdue_transfers is not None else []
+        overdue = self.cache.overdue_transfers()
         if overdue:
             return (f"{len(overdue)} KV transfer(s) are past their deadline (the oldest: {overdue[0].kind} task "
                     f"{overdue[0].task_id})")

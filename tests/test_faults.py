@@ -249,7 +249,7 @@ def test_a_request_that_breaks_the_engine_loop_fails_alone():
 
 
 def test_a_stopped_cache_transfer_process_is_killed_and_restarted(tmp_path):
-    env = {"FD_CACHE_TRANSFER_TIMEOUT": "3", "FD_KVCACHE_TRANSFER_TIMEOUT": "3"}
+    env = {"FD_CACHE_TRANSFER_TIMEOUT": "3"}  # transfer deadlines stay at 30 s: the heartbeat must catch it
     with ServerProcess("--swap-space", "0.05", "--kvcache-storage-backend", "file",
                        "--file-backend-storage-dir", str(tmp_path), env=env) as server:
         assert_reference_output(server)
