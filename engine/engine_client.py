@@ -30,6 +30,8 @@ from inter_communicator.instance_signals import InstanceSignals
 logger = logging.getLogger(__name__)
 
 _CONTROL_PREFIX = "control-"
+# Longest wait for the engine's socket before a request is refused with 503.
+SEND_TIMEOUT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -193,7 +195,7 @@ class EngineClient:
         request.arrival_time = request.arrival_time or time.time()
         finished = False
         try:
-            await self._push.send_pyobj(request)
+            await self._send(request)
             while not finished:
                 output = await self._next_output(queue, request.request_id)
                 finished = output.finished
@@ -202,6 +204,26 @@ class EngineClient:
             self._unregister(request.request_id)
             if not finished:
                 await self.abort(request.request_id)
+
+    async def _send(self, message: object) -> None:
+        """Queue ``message`` for the engine; ``EngineUnavailableError`` if it cannot be queued in time.
+
+        A PUSH socket with no connected engine (it died a moment ago) would block a plain send
+        until the next engine binds; this waits at most ``SEND_TIMEOUT_S``.
+        """
+        try:
+            await self._push.send_pyobj(message, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            logger.debug("the engine of DP rank %d is not connected; waiting up to %.0f s", self.dp_rank,
+                         SEND_TIMEOUT_S)
+        if await self._push.poll(int(SEND_TIMEOUT_S * 1000), zmq.POLLOUT):
+            try:
+                await self._push.send_pyobj(message, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                logger.debug("the engine of DP rank %d went away again", self.dp_rank)
+        raise EngineUnavailableError(f"the engine of DP rank {self.dp_rank} is not reachable; retry in a few seconds")
 
     async def _next_output(self, queue: asyncio.Queue[RequestOutput], request_id: str) -> RequestOutput:
         # Wake up now and then to notice an engine that died without answering.
@@ -221,7 +243,7 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._register(request_id, queue)
         try:
-            await self._push.send_pyobj(ControlRequest(request_id, command))
+            await self._send(ControlRequest(request_id, command))
             reply: ControlReply = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._unregister(request_id)

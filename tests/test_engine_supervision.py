@@ -173,3 +173,50 @@ def test_restart_budget_forgets_restarts_older_than_the_window():
     now[0] = 301.0
     assert budget.record() and budget.record()  # the first two have left the window
     assert budget.record() is False
+
+
+def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
+    """The supervisor's give-up path on a real replica (no engine spawned: the budget is spent)."""
+    import asyncio
+    import dataclasses
+    import uuid
+
+    from engine.api_server import build_app
+    from engine.config import EngineArgs, build_engine_config
+    from engine.engine_client import STATE_DOWN, EngineClient
+    from engine.engine_process import MAX_RESTARTS_PER_WINDOW
+    from engine.tokenizer import load_tokenizer
+    from inter_communicator.shm import sweep_stale
+    from launch import EngineReplica, EngineSupervisor
+    from worker.model_config import default_model_path
+
+    base = build_engine_config(EngineArgs(num_gpu_blocks_override=16))
+    config = dataclasses.replace(base, instance_id=f"sup-{uuid.uuid4().hex[:10]}", ipc_dir=str(tmp_path))
+    replica = EngineReplica(config)
+    try:
+        for _ in range(MAX_RESTARTS_PER_WINDOW):
+            assert replica.count_restart()
+        client = EngineClient(load_tokenizer(default_model_path()), replica.addresses.requests,
+                              replica.addresses.outputs, replica.signals, replica, config.dp_rank)
+        supervisor = EngineSupervisor([replica], [client])
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            await supervisor._restart(0)  # the next death: over budget, so no new engine
+            app = build_app(client, served_model_name="m", max_model_len=config.max_model_len,
+                            instance_id=config.instance_id, dp_rank=0)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+                refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                status = await http.get("/health")
+            return refused, status
+
+        refused, status = asyncio.run(scenario())
+        assert replica.state == STATE_DOWN and replica.proc is None and replica.restarts == 0
+        assert refused.status_code == 503, refused.text
+        assert "failed too often" in refused.json()["error"]["message"]
+        assert status.status_code == 503
+        assert status.json()["engine"]["state"] == "down"
+    finally:
+        replica.stop()
+        sweep_stale(config.instance_id)
+    assert shm_names(config.instance_id) == []
