@@ -196,17 +196,28 @@ async def run_conversations(session: aiohttp.ClientSession, config: Config, syst
 
 
 async def replay(session: aiohttp.ClientSession, config: Config, results: list[TurnResult],
-                 deadline: float) -> dict:
-    """Send every successful turn's exact history to ``config.check_against``; compare completion token ids."""
+                 deadline: float, known: dict[str, TurnResult] | None = None) -> dict:
+    """Send every successful turn's exact history to ``config.check_against``; compare completion token ids.
+
+    ``known`` (history as JSON -> the reference's reply) is read and filled, so runs that give the
+    same histories (several servers checked against one reference) ask the reference only once.
+    """
     base_url = config.check_against.rstrip("/")
     model = await discover_model(session, base_url, config.request_timeout)
+    known = {} if known is None else known
     turns = [r for r in results if r.ok]
     replies = [TurnResult(conversation=r.conversation, turn=r.turn, messages=r.messages) for r in turns]
     semaphore = asyncio.Semaphore(max(1, config.conversations))
 
     async def one(reply: TurnResult) -> None:
+        key = json.dumps([base_url, config.max_tokens, reply.messages])
+        if key in known:
+            reply.ok, reply.text, reply.token_ids = True, known[key].text, known[key].token_ids
+            return
         async with semaphore:
             await send_turn(session, base_url, model, config.max_tokens, config.request_timeout, reply)
+        if reply.ok:
+            known[key] = reply
 
     timed_out = False
     try:
@@ -271,8 +282,9 @@ def summarize(config: Config, results: list[TurnResult], duration: float, timed_
     }
 
 
-async def benchmark(config: Config, model: str | None = None) -> tuple[dict, list[TurnResult]]:
-    """Run the conversations (and the replay when ``config.check_against``); (report, turn results)."""
+async def benchmark(config: Config, model: str | None = None,
+                    known: dict[str, TurnResult] | None = None) -> tuple[dict, list[TurnResult]]:
+    """Run the conversations (and the replay when ``config.check_against``, see ``replay`` for ``known``)."""
     deadline = time.monotonic() + config.total_timeout
     # One connection per request, as serving.py: a fresh 127.0.0.1 connection costs well under a millisecond.
     connector = aiohttp.TCPConnector(limit=max(2 * config.conversations, 1), force_close=True)
@@ -284,7 +296,7 @@ async def benchmark(config: Config, model: str | None = None) -> tuple[dict, lis
         results, timed_out = await run_conversations(session, config, system, users)
         report = summarize(config, results, time.perf_counter() - start, timed_out)
         if config.check_against:
-            report["check"] = await replay(session, config, results, deadline)
+            report["check"] = await replay(session, config, results, deadline, known)
     return report, results
 
 

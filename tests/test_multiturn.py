@@ -29,13 +29,13 @@ SWAP = ("--swap-space", "0.004")  # ~5 host blocks of 16 tokens: swaps out and e
 IDLE_TIMEOUT_S = 15.0
 
 
-def run_benchmark(base_url: str, reference_url: str | None) -> dict:
+def run_benchmark(base_url: str, reference_url: str, known: dict) -> dict:
     config = multiturn.Config(
         base_url=base_url, model="", conversations=CONVERSATIONS, turns=TURNS, max_tokens=8,
         system_prompt_len=40, user_len=12, seed=3, request_timeout=60.0, total_timeout=150.0,
         check_against=reference_url,
     )
-    report, _ = asyncio.run(multiturn.benchmark(config))
+    report, _ = asyncio.run(multiturn.benchmark(config, known=known))
     return report
 
 
@@ -60,7 +60,8 @@ def wait_idle(server: ServerProcess) -> tuple[dict, dict]:
 def reference():
     """The same small pool with prefix caching off: the greedy outputs every variant must reproduce."""
     with ServerProcess(*SMALL, "--no-enable-prefix-caching") as server:
-        yield server
+        # Its replies by history: variants that agree with it send the same histories, asked once.
+        yield server, {}
 
 
 @pytest.mark.parametrize("variant,args,env", [
@@ -72,7 +73,8 @@ def test_multiturn_small_pool(reference, tmp_path, variant, args, env):
     if "--kvcache-storage-backend" in args:
         args = (*args, "--file-backend-storage-dir", str(tmp_path / "kv"))
     with ServerProcess(*args, env=env) as server:
-        report = run_benchmark(server.base_url, reference.base_url)
+        reference_server, known = reference
+        report = run_benchmark(server.base_url, reference_server.base_url, known)
         health, stats = wait_idle(server)
         log = server.log_tail(150)
 
