@@ -10,7 +10,9 @@ the KV-cache lock:
   handed to another sequence until its copy completed; the worker may still
   read a WRITE_BACK block (a full block, never written again);
 - a block whose transfer timed out or whose sequence went away stays
-  quarantined until the transfer process reports on it.
+  quarantined until the transfer process reports on it, or until the engine
+  restarted that process and called ``fail_all_transfers``. Every task has a
+  deadline (``transfer_timeout_s``); ``overdue_transfers`` lists the late ones.
 
 Tiers: device blocks with a hash are a prefix cache (refcounts, LRU eviction of
 unreferenced blocks, only full blocks shared). With a host pool, least recently

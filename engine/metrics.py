@@ -64,6 +64,7 @@ _CACHE_COUNTERS = (
     ("storage_errors", "kv_storage_errors", "Storage tier read/write errors reported by the engine."),
     ("swap_out_blocks", "kv_swap_out_blocks", "Blocks swapped out from the device to the host tier."),
     ("transfer_timeouts", "kv_transfer_timeouts", "KV fills (swap-in / prefetch) that timed out and recomputed."),
+    ("transfers_overdue", "kv_transfers_overdue", "KV transfers of any kind seen past their deadline."),
 )
 _CACHE_GAUGES = (
     ("kv_blocks_cached", "kv_blocks_cached", "Device KV blocks holding an evictable cached prefix."),

@@ -3,11 +3,14 @@
 Each step spends a token budget (``--max-num-batched-tokens``): running
 sequences first (one token for a decode, a chunk for an unfinished prefill),
 then waiting ones while sequences and blocks allow. A sequence entering the
-running set gets its cached prefix from the ``PrefixCacheManager``; while
-blocks of it are still being filled from host memory or storage it is not
+running set gets its cached prefix from the ``PrefixCacheManager``; admission
+is decided on what it needs after the prefix match, so a waiting sequence that
+does not fit stays waiting and ``schedule`` never fails for lack of blocks.
+While blocks of it are still being filled from host memory or storage it is not
 scheduled. When a running sequence needs a block and none is free, the most
 recently admitted sequence is preempted: its blocks are released and it is
-recomputed from its tokens later (its full blocks usually stay cached).
+recomputed from its tokens later (its full blocks usually stay cached). A
+sequence that would need more blocks than the whole pool ends with an error.
 """
 from __future__ import annotations
 
