@@ -30,8 +30,8 @@ import time
 from typing import Callable
 
 import envs
-from engine.config import ConfigError, EngineArgs, EngineConfig, build_engine_config
-from engine.log import setup_logging
+from config.engine_config import ConfigError, EngineArgs, EngineConfig, build_engine_config
+from config.log import setup_logging
 
 logger = logging.getLogger("launch")
 
@@ -158,7 +158,7 @@ class EngineReplica:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.engine_client import STATE_STARTING
+        from engine.entrypoints.engine_client import STATE_STARTING
         from engine.engine_process import EngineAddresses
         from inter_communicator.instance_signals import InstanceSignals
 
@@ -332,7 +332,7 @@ class Server:
             replica.start()
 
     def wait_engines_ready(self) -> None:
-        from engine.engine_client import STATE_RUNNING
+        from engine.entrypoints.engine_client import STATE_RUNNING
 
         while not all(r.ready() for r in self.replicas):
             time.sleep(0.1)
@@ -340,13 +340,13 @@ class Server:
             replica.state = STATE_RUNNING
 
     def any_rank_down(self) -> bool:
-        from engine.engine_client import STATE_DOWN
+        from engine.entrypoints.engine_client import STATE_DOWN
 
         return any(r.state == STATE_DOWN for r in self.replicas)
 
     def stop_engines(self) -> None:
         """Stop every engine process (all ranks at once) and release the ranks' shared memory."""
-        from engine.engine_client import STATE_STOPPING
+        from engine.entrypoints.engine_client import STATE_STOPPING
 
         with self._stop_lock:
             for replica in self.replicas:
@@ -403,7 +403,7 @@ class EngineSupervisor:
             self._loop.remove_reader(fd)
 
     def _on_exit(self, index: int) -> None:
-        from engine.engine_client import STATE_RESTARTING
+        from engine.entrypoints.engine_client import STATE_RESTARTING
 
         self._unwatch(index)
         if self._stop.is_set():
@@ -419,7 +419,7 @@ class EngineSupervisor:
         task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, index: int) -> None:
-        from engine.engine_client import STATE_DOWN, STATE_RUNNING
+        from engine.entrypoints.engine_client import STATE_DOWN, STATE_RUNNING
         from engine.engine_process import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S
 
         replica = self.replicas[index]
@@ -462,10 +462,10 @@ def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
 
 
 def serve_http(server: Server, config: EngineConfig) -> None:
-    from engine.api_server import build_app, create_server
-    from engine.dp_router import DPRouter
-    from engine.engine_client import EngineClient
-    from engine.tokenizer import load_tokenizer
+    from engine.entrypoints.api_server import build_app, create_server
+    from engine.entrypoints.dp_router import DPRouter
+    from engine.entrypoints.engine_client import EngineClient
+    from engine.entrypoints.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.args.model)
     clients = [EngineClient(tokenizer, r.addresses.requests, r.addresses.outputs, r.signals, r, r.config.dp_rank)

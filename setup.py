@@ -13,7 +13,9 @@ setup(
     description="Multi-process LLM inference runtime on PaddlePaddle with an OpenAI-compatible API",
     python_requires=">=3.10",
     packages=[
+        "config",
         "engine",
+        "engine.entrypoints",
         "worker",
         "worker.models",
         "cache_manager",

@@ -50,7 +50,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.server_utils import expected_prefix, load_reference  # noqa: E402  (needs ROOT on sys.path)
+from harness.reference import expected_prefix, load_reference  # noqa: E402  (needs ROOT on sys.path)
 from serving import SSEStream, stream_error  # noqa: E402  (benchmarks/serving.py, beside this file)
 
 logger = logging.getLogger(__name__)

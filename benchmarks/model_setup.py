@@ -34,7 +34,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, steps: int, steps_help:
 @dataclass
 class LoadedModel:
     model: Any  # the registered model class's instance, weights loaded
-    config: Any  # worker.model_config.ModelConfig
+    config: Any  # config.model_config.ModelConfig
     threads: int
 
 
@@ -48,7 +48,7 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
 
     tune_malloc()
     from worker.loader import load_weights
-    from worker.model_config import default_model_path, load_model_config
+    from config.model_config import default_model_path, load_model_config
     from worker.models import get_model_class
 
     config = load_model_config(args.model or default_model_path())

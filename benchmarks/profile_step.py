@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import paddle
     import zmq
 
-    from engine.sampling_params import SamplingParams
+    from config.sampling_params import SamplingParams
     from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult
     from worker.attention import build_attention_metadata
     from worker.sampler import Sampler

@@ -44,8 +44,8 @@ from cache_manager.kv_layout import (
 )
 from cache_manager.transfer_factory.base import KVStorageBackend
 from cache_manager.transfer_factory.factory import StorageConfig, create_storage_backend
-from engine.config import EngineConfig
-from engine.log import setup_logging
+from config.engine_config import EngineConfig
+from config.log import setup_logging
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.kvcache_lock import KVCacheLock, NullKVCacheLock, kvcache_lock_for
 from inter_communicator.messages import (

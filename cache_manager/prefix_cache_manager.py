@@ -35,7 +35,7 @@ import numpy as np
 from cache_manager.block_hash import ROOT_HASH, hash_block
 from cache_manager.block_state import BlockState
 from cache_manager.kv_layout import storage_key
-from engine.sequence import Sequence
+from cache_manager.cache_sequence import CacheSequence
 from inter_communicator.messages import TransferDone, TransferTask
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class HostBlock:
 class LoadPlan:
     """The fills one sequence waits for before it may run."""
 
-    seq: Sequence
+    seq: CacheSequence
     block_hashes: list[str]  # hashes of seq.block_table[:len(block_hashes)]
     first_fill: int = 0  # block index of the first filled block (the ones before are device hits)
     fill_sources: dict[int, str] = field(default_factory=dict)  # block index -> "host" | "storage"
@@ -171,17 +171,17 @@ class PrefixCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+    def can_allocate(self, seq: CacheSequence, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
-    def try_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+    def try_allocate(self, seq: CacheSequence, num_tokens: int) -> bool:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens if the blocks are there; False changes nothing."""
         if not self.can_allocate(seq, num_tokens):
             return False
         self.allocate(seq, num_tokens)
         return True
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def allocate(self, seq: CacheSequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (all or nothing)."""
         missing = self.blocks_needed(num_tokens) - len(seq.block_table)
         if missing > self.num_free_blocks:
@@ -199,7 +199,7 @@ class PrefixCacheManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: CacheSequence) -> None:
         """Drop the sequence's references; its full hashed blocks stay cached."""
         plan = self._plans_by_seq.pop(seq.request_id, None)
         if plan is not None:
@@ -238,7 +238,7 @@ class PrefixCacheManager:
 
     # ---- admission: prefix match and fills ---------------------------------------
 
-    def match(self, seq: Sequence) -> PrefixMatch:
+    def match(self, seq: CacheSequence) -> PrefixMatch:
         """The cached prefix ``seq`` would get: device hits, then host/storage fills. Changes nothing.
 
         At least one prompt token is always left to compute, so the first step has a
@@ -269,14 +269,14 @@ class PrefixCacheManager:
             result.fills.append((block_hash, source))
         return result
 
-    def admission_cost(self, seq: Sequence, found: PrefixMatch, max_new_tokens: int) -> int:
+    def admission_cost(self, seq: CacheSequence, found: PrefixMatch, max_new_tokens: int) -> int:
         """Blocks taken from the free count by committing ``found`` and allocating the first chunk."""
         computed = found.num_blocks * self.block_size
         first_chunk = min(seq.num_tokens - computed, max_new_tokens)
         beyond = max(0, self.blocks_needed(computed + first_chunk) - found.num_blocks)
         return found.num_evictable_hits + len(found.fills) + beyond
 
-    def try_admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+    def try_admit(self, seq: CacheSequence, max_new_tokens: int) -> bool:
         """Admit ``seq`` if its cached prefix and its first chunk (up to ``max_new_tokens``) fit now.
 
         The check runs on the need after the prefix match, so the allocation that
@@ -296,7 +296,7 @@ class PrefixCacheManager:
         self.commit_admission(seq, found)
         return True
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: CacheSequence) -> None:
         """Give a sequence entering the running set its cached prefix (no capacity check for a first chunk).
 
         Device hits are shared at once; host and storage hits get fresh blocks
@@ -305,7 +305,7 @@ class PrefixCacheManager:
         """
         self.commit_admission(seq, self.match(seq))
 
-    def commit_admission(self, seq: Sequence, found: PrefixMatch) -> None:
+    def commit_admission(self, seq: CacheSequence, found: PrefixMatch) -> None:
         """Apply a ``match`` made in this same state (nothing may have changed the cache in between)."""
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -323,7 +323,7 @@ class PrefixCacheManager:
         if seq.num_cached_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
 
-    def _share_device_block(self, seq: Sequence, block_id: int) -> None:
+    def _share_device_block(self, seq: CacheSequence, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self._cached_lru.pop(block_id, None)
@@ -340,7 +340,7 @@ class PrefixCacheManager:
             return "storage"
         return None
 
-    def _start_fills(self, seq: Sequence, fills: list[tuple[str, str]]) -> None:
+    def _start_fills(self, seq: CacheSequence, fills: list[tuple[str, str]]) -> None:
         plan = LoadPlan(seq, block_hashes=list(seq.block_hashes), first_fill=len(seq.block_hashes),
                         deadline=self._clock() + self.config.transfer_timeout_s)
         swap_in: list[tuple[int, int, str]] = []
@@ -367,7 +367,7 @@ class PrefixCacheManager:
             task = self._new_task("prefetch", [d for d, _ in prefetch], keys=keys)
             self._issue(task, [b for _, b in prefetch], BlockState.LOAD, plan)
 
-    def is_loading(self, seq: Sequence, started_is_enough: bool = False) -> bool:
+    def is_loading(self, seq: CacheSequence, started_is_enough: bool = False) -> bool:
         """True while the sequence waits for fills. ``started_is_enough`` is the test-only fault mode."""
         plan = self._plans_by_seq.get(seq.request_id)
         if plan is None:
@@ -376,7 +376,7 @@ class PrefixCacheManager:
             return not plan.pending_tasks <= plan.started_tasks
         return bool(plan.pending_tasks)
 
-    def expired_loads(self) -> list[Sequence]:
+    def expired_loads(self) -> list[CacheSequence]:
         """Sequences whose fills exceeded the transfer timeout: the caller preempts them (cache miss)."""
         now = self._clock()
         expired = [p.seq for p in self._plans_by_seq.values() if p.pending_tasks and now > p.deadline]
@@ -389,7 +389,7 @@ class PrefixCacheManager:
 
     # ---- after each step: register full blocks -------------------------------------
 
-    def on_tokens_computed(self, seq: Sequence) -> None:
+    def on_tokens_computed(self, seq: CacheSequence) -> None:
         """Register blocks that became full so later requests can share them."""
         if not self.config.enable_prefix_caching:
             return

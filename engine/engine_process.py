@@ -21,8 +21,8 @@ from cache_manager.cache_transfer_manager import run_cache_transfer
 from cache_manager.kv_layout import device_cache_segment, host_cache_segment
 from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
 from cache_manager.transfer_client import CacheTransferClient
-from engine.config import EngineConfig
-from engine.log import setup_logging
+from config.engine_config import EngineConfig
+from config.log import setup_logging
 from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.config import EngineConfig
+from config.engine_config import EngineConfig
 from inter_communicator.ipc_signal import IPCSignal
 
 # Engine gauges published after every step (single writer: the engine), read by /health.

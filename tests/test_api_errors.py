@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess
+from harness.server import ServerProcess
 
 
 pytestmark = pytest.mark.integration

@@ -33,7 +33,7 @@ from cache_manager.kv_layout import (  # noqa: E402
     host_cache_shape,
     storage_key,
 )
-from engine.config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
+from config.engine_config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
 from inter_communicator.instance_signals import InstanceSignals  # noqa: E402
 from inter_communicator.kvcache_lock import KVCacheLock  # noqa: E402
 from inter_communicator.messages import (  # noqa: E402

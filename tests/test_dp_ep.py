@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from scripts.make_tiny_moe import make_tiny_moe
-from tests.server_utils import ServerProcess
+from harness.server import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,7 @@ def test_dp_ep_with_storage_cache_under_pressure_matches_no_cache(tiny_moe, base
 
 def test_two_nodes_as_separate_launches_form_one_ep_group(tiny_moe, baseline):
     """The multi-node shape on one host: each "node" is its own launch.py hosting one DP rank."""
-    from tests.server_utils import free_port
+    from harness.server import free_port
 
     prompts, expected = baseline
     master_port = str(free_port())
@@ -103,7 +103,7 @@ def test_run_dp_ep_script_serves_the_moe(tiny_moe, baseline, tmp_path):
     import signal
     import subprocess
 
-    from tests.server_utils import REPO_ROOT, free_port
+    from harness.server import REPO_ROOT, free_port
 
     prompts, expected = baseline
     server = ServerProcess()  # only for its port, instance id and health polling

@@ -17,10 +17,10 @@ from typing import Iterator
 import pytest
 import zmq
 
-from engine.config import EngineArgs, build_engine_config
+from config.engine_config import EngineArgs, build_engine_config
 from engine.engine_process import MAX_CONSECUTIVE_FAILURES, Engine, EngineAddresses, EngineFailed
 from engine.request import EngineRequest, RequestOutput
-from engine.sampling_params import SamplingParams
+from config.sampling_params import SamplingParams
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import StepBatch, StepResult
 from inter_communicator.shm import sweep_stale

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from launch import RestartBudget
-from tests.server_utils import ServerProcess, expected_prefix, load_reference, shm_names
+from harness.server import ServerProcess, shm_names
+from harness.reference import expected_prefix, load_reference
 
 REFERENCE = load_reference()
 RECOVERY_TIMEOUT_S = 60.0
@@ -181,14 +182,14 @@ def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
     import dataclasses
     import uuid
 
-    from engine.api_server import build_app
-    from engine.config import EngineArgs, build_engine_config
-    from engine.engine_client import STATE_DOWN, EngineClient
+    from engine.entrypoints.api_server import build_app
+    from config.engine_config import EngineArgs, build_engine_config
+    from engine.entrypoints.engine_client import STATE_DOWN, EngineClient
     from engine.engine_process import MAX_RESTARTS_PER_WINDOW
-    from engine.tokenizer import load_tokenizer
+    from engine.entrypoints.tokenizer import load_tokenizer
     from inter_communicator.shm import sweep_stale
     from launch import EngineReplica, EngineSupervisor
-    from worker.model_config import default_model_path
+    from config.model_config import default_model_path
 
     base = build_engine_config(EngineArgs(num_gpu_blocks_override=16))
     config = dataclasses.replace(base, instance_id=f"sup-{uuid.uuid4().hex[:10]}", ipc_dir=str(tmp_path))

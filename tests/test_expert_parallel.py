@@ -11,7 +11,6 @@ killed rank makes the other exit with an error instead of hanging in a collectiv
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing
 import os
@@ -29,8 +28,8 @@ import envs
 
 envs.apply_compute_thread_env(2)
 
-from engine.config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from config.engine_config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
+from config.sampling_params import SamplingParams  # noqa: E402
 from inter_communicator.instance_signals import InstanceSignals  # noqa: E402
 from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult, WorkerShutdown  # noqa: E402
 from inter_communicator.shm import sweep_stale, unlink_created  # noqa: E402
@@ -38,11 +37,11 @@ from tests.test_moe_model import TINY, make_tiny_moe  # noqa: E402
 from worker.expert_parallel import expert_owners, shard_experts  # noqa: E402
 from worker.model_runner import kv_cache_segment_name  # noqa: E402
 from worker.worker_process import EP_FAILURE_EXIT_CODE, run_worker  # noqa: E402
+from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_FILE = REPO_ROOT / ".." / "shared" / "reference" / "smollm2_greedy.json"
 SHM_DIR = Path("/dev/shm")
 START_TIMEOUT_S = 120.0  # spawn + paddle import + model load of two ranks on a loaded 2-core machine
 REPLY_TIMEOUT_S = 60.0
@@ -232,8 +231,7 @@ def _drive(workers: list[RankWorker], seqs_per_rank: list[list[Sequence]], start
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    with open(REFERENCE_FILE, encoding="utf-8") as handle:
-        return [entry["prompt_ids"] for entry in json.load(handle)][: 2 * PROMPTS_PER_RANK]
+    return [entry["prompt_ids"] for entry in load_reference()][: 2 * PROMPTS_PER_RANK]
 
 
 @pytest.fixture(scope="module")

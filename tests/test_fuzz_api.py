@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineArgs
+from config.engine_config import EngineArgs
 from launch import ipc_dir_for
-from tests.server_utils import ServerProcess, expected_prefix, load_reference, shm_names
+from harness.server import ServerProcess, shm_names
+from harness.reference import expected_prefix, load_reference
 
 
 pytestmark = pytest.mark.integration

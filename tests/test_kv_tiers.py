@@ -14,7 +14,7 @@ import math
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess
+from harness.server import ServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from cache_manager.cache_transfer_manager import STAGING_BLOCKS
-from tests.server_utils import ServerProcess, expected_prefix, load_reference
+from harness.server import ServerProcess
+from harness.reference import expected_prefix, load_reference
 
 pytestmark = pytest.mark.integration
 

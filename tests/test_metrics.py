@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inter_communicator.kvcache_lock import KVCacheLock
-from tests.server_utils import ServerProcess, load_reference
+from harness.server import ServerProcess
+from harness.reference import load_reference
 
 
 pytestmark = pytest.mark.integration

@@ -23,15 +23,15 @@ from safetensors.numpy import save_file  # noqa: E402
 from worker import attention  # noqa: E402
 from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
 from worker.loader import load_weights  # noqa: E402
-from worker.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
+from config.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
 from tests.model_utils import TWO_SEQUENCE_SCHEDULE, run_schedule  # noqa: E402
 from worker.models import llama as llama_module  # noqa: E402
+from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_FILE = os.path.join(REPO_ROOT, "..", "shared", "reference", "smollm2_greedy.json")
 EOS = 2
 MARGIN_THRESHOLD = 0.01
 BLOCK_SIZE = 16
@@ -114,8 +114,7 @@ def decode_until_done(model, kv_caches, sequences: list[Sequence]) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict]:
-    with open(REFERENCE_FILE, encoding="utf-8") as handle:
-        return json.load(handle)
+    return load_reference()
 
 
 @pytest.fixture(scope="module")

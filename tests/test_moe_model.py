@@ -26,20 +26,20 @@ import paddle  # noqa: E402
 import pytest  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.entrypoints.tokenizer import load_tokenizer  # noqa: E402
 from worker import attention  # noqa: E402
 from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
 from worker.loader import load_weights  # noqa: E402
-from worker.model_config import ModelConfig, default_model_path, load_model_config  # noqa: E402
+from config.model_config import ModelConfig, default_model_path, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
 from tests.model_utils import TWO_SEQUENCE_SCHEDULE, run_schedule  # noqa: E402
 from worker.models.moe import MoEForCausalLM  # noqa: E402
+from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "make_tiny_moe.py")
-REFERENCE_FILE = os.path.join(REPO_ROOT, "..", "shared", "reference", "smollm2_greedy.json")
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -110,8 +110,7 @@ def greedy_recompute(model, config, prompt: list[int], new_tokens: int) -> list[
 
 @pytest.fixture(scope="module")
 def reference_prompts() -> list[list[int]]:
-    with open(REFERENCE_FILE, encoding="utf-8") as handle:
-        return [entry["prompt_ids"] for entry in json.load(handle)]
+    return [entry["prompt_ids"] for entry in load_reference()]
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +165,7 @@ def test_config_of_generated_checkpoint(tiny_dir) -> None:
 
 def test_generated_tokenizer_encodes_like_the_gguf(tiny_dir) -> None:
     generated, gguf_tok = load_tokenizer(tiny_dir), load_tokenizer(default_model_path())
-    with open(REFERENCE_FILE, encoding="utf-8") as handle:
-        reference = json.load(handle)
+    reference = load_reference()
     texts = [entry["chat_text"] for entry in reference]
     texts += ["The year 2024 had 366 days.", "héllo 日本語 🙂", "<|im_start|>user\nhi<|im_end|>\n",
               "  spaced\t\ttabs\n"]

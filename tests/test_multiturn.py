@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from benchmarks import multiturn
-from tests.server_utils import ServerProcess
+from harness.server import ServerProcess
 
 pytestmark = pytest.mark.integration
 

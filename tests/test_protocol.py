@@ -1,4 +1,4 @@
-"""The OpenAI protocol layer (engine/protocol.py) on its own: no server, no engine.
+"""The OpenAI protocol layer (engine/entrypoints/protocol.py) on its own: no server, no engine.
 
 Request bodies go through the same entry point the server uses (``parse`` on raw JSON bytes);
 response builders are checked against the ``openai`` package's own response models, so a
@@ -13,7 +13,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, chat_completion_chunk,
+from engine.entrypoints.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, chat_completion_chunk,
                              chat_completion_response, completion_chunk, completion_response, error_body, model_list,
                              sse_event, usage, usage_chunk)
 

@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import pytest  # noqa: E402
 
-from engine.sampling_params import SamplingParams  # noqa: E402
+from config.sampling_params import SamplingParams  # noqa: E402
 from worker.sampler import INVALID_TOKEN, Sampler, SamplingError  # noqa: E402
 
 VOCAB = 49152

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cache_manager.prefix_cache_manager import BlockAllocationError, CacheConfig, PrefixCacheManager
-from engine.sampling_params import SamplingParams
+from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.messages import StepBatch, StepResult

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cache_manager.block_state import BlockState
 from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
-from engine.sampling_params import SamplingParams
+from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.messages import StepResult, TransferDone, TransferTask

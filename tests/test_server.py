@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import ServerProcess, expected_prefix, load_reference, shm_names
+from harness.server import ServerProcess, shm_names
+from harness.reference import expected_prefix, load_reference
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, load_reference, shm_names
+from harness.server import ServerProcess, shm_names
+from harness.reference import load_reference
 
 pytestmark = pytest.mark.integration
 

@@ -14,13 +14,13 @@ import re
 import gguf
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.tokenizer import Tokenizer, build_byte_level_bpe, load_tokenizer
+from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.entrypoints.tokenizer import Tokenizer, build_byte_level_bpe, load_tokenizer
+from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_FILE = os.path.join(REPO_ROOT, "..", "shared", "reference", "smollm2_greedy.json")
 MULTIBYTE_TEXT = "héllo 日本語 🙂"
 
 
@@ -40,8 +40,7 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict]:
-    with open(REFERENCE_FILE, encoding="utf-8") as handle:
-        return json.load(handle)
+    return load_reference()
 
 
 # --- 1-4: encode / template / decode against the reference ---------------------------------------

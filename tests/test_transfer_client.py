@@ -20,7 +20,7 @@ import zmq
 from cache_manager.cache_transfer_manager import CacheTransferManager
 from cache_manager.kv_layout import device_cache_segment, device_cache_shape
 from cache_manager.transfer_client import CacheTransferClient
-from engine.config import EngineArgs, EngineConfig, build_engine_config
+from config.engine_config import EngineArgs, EngineConfig, build_engine_config
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import TransferDone, TransferTask
 from inter_communicator.shm import SharedArray, sweep_stale

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import paddle
 
-from engine.config import EngineConfig
+from config.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

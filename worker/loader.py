@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from worker.model_config import ModelConfig, weight_files
+from config.model_config import ModelConfig, weight_files
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import paddle
 
-from engine.config import EngineConfig
+from config.engine_config import EngineConfig
 from inter_communicator.messages import StepBatch, StepResult
 from cache_manager.kv_layout import device_cache_segment
 from inter_communicator.shm import SharedArray

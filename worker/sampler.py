@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from engine.sampling_params import SamplingParams
+from config.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import zmq
 from tqdm import tqdm
 
 import envs
-from engine.config import EngineConfig
-from engine.log import setup_logging
+from config.engine_config import EngineConfig
+from config.log import setup_logging
 from cache_manager.block_state import BlockState
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.kvcache_lock import kvcache_lock_for

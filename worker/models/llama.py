@@ -32,7 +32,7 @@ import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
-from worker.model_config import ModelConfig
+from config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from worker.model_config import ModelConfig
+from config.model_config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, WeightGetter, _LayerWeights, to_weight, weight_getter
 
 logger = logging.getLogger(__name__)

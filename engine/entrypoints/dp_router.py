@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import AsyncIterator
 
 from cache_manager.block_hash import ROOT_HASH, hash_block
-from engine.engine_client import EngineClient, EngineUnavailableError
+from engine.entrypoints.engine_client import EngineClient, EngineUnavailableError
 from engine.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from config.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, request flow, streaming, errors.
 
 Owns: ``build_app`` (the ASGI app: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``; the metric definitions live in ``engine.metrics``), the per-request
+``/v1/chat/completions``; the metric definitions live in ``engine.entrypoints.metrics``), the per-request
 flow (read body -> validate -> tokenize -> check lengths -> ``EngineClient.generate`` ->
 detokenize + stop strings -> JSON or SSE), the rule that a request whose consumer goes away
 (client disconnect, stop string) is aborted in the engine, the shutdown drain (``drain``: new
@@ -32,19 +32,19 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 import envs
-from engine.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.engine_client import EngineDeadError, EngineUnavailableError
-from engine.metrics import METRICS_CONTENT_TYPE, HTTPMetricsMiddleware, RequestRecorder, ServerMetrics
-from engine.protocol import (SERVER_ERROR, SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
+from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.entrypoints.engine_client import EngineDeadError, EngineUnavailableError
+from engine.entrypoints.metrics import METRICS_CONTENT_TYPE, HTTPMetricsMiddleware, RequestRecorder, ServerMetrics
+from engine.entrypoints.protocol import (SERVER_ERROR, SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
                              GenerationRequest, chat_completion_chunk, chat_completion_response, completion_chunk,
                              completion_response, error_body, model_card, model_list, sse_event, to_json, usage,
                              usage_chunk)
 from engine.request import EngineRequest, RequestOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from config.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine_client import EngineClient
-    from engine.tokenizer import Tokenizer
+    from engine.entrypoints.engine_client import EngineClient
+    from engine.entrypoints.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

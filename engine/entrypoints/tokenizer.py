@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.sampling_params import InvalidRequestError
+from config.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 import envs
 from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
-from engine.tokenizer import Tokenizer
+from engine.entrypoints.tokenizer import Tokenizer
 from inter_communicator.instance_signals import InstanceSignals
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 import envs
-from worker.model_config import ModelConfig, default_model_path, load_model_config
+from config.model_config import ModelConfig, default_model_path, load_model_config
 
 logger = logging.getLogger(__name__)
 
