@@ -36,6 +36,7 @@ from cache_manager.block_hash import ROOT_HASH, hash_block
 from cache_manager.block_state import BlockState
 from cache_manager.kv_layout import storage_key
 from cache_manager.cache_sequence import CacheSequence
+from config.engine_config import CacheConfig
 from inter_communicator.messages import TransferDone, TransferTask
 
 logger = logging.getLogger(__name__)
@@ -102,20 +103,6 @@ class CacheStats:
     write_back_failed: int = 0
     transfer_timeouts: int = 0
     transfers_overdue: int = 0  # in-flight transfers of any kind seen past their deadline (each counted once)
-
-
-@dataclass
-class CacheConfig:
-    num_gpu_blocks: int
-    block_size: int
-    model_fingerprint: str = ""
-    enable_prefix_caching: bool = True
-    num_cpu_blocks: int = 0
-    storage_enabled: bool = False
-    write_policy: str = "write_through"
-    tp_size: int = 1
-    transfer_timeout_s: float = 30.0
-    offload_watermark: float = 0.125  # keep this share of device blocks free by swapping out cold cached ones
 
 
 class PrefixCacheManager:

@@ -129,6 +129,21 @@ class EngineConfig:
         return kv_bytes_per_block(self.model_config, self.args.block_size)
 
 
+@dataclass
+class CacheConfig:
+    """What the KV-cache manager needs: pool sizes, block size, tiers and their policies."""
+
+    num_gpu_blocks: int
+    block_size: int
+    model_fingerprint: str = ""
+    enable_prefix_caching: bool = True
+    num_cpu_blocks: int = 0
+    storage_enabled: bool = False
+    write_policy: str = "write_through"
+    transfer_timeout_s: float = 30.0
+    offload_watermark: float = 0.125  # keep this share of device blocks free by swapping out cold cached ones
+
+
 class ConfigError(ValueError):
     """Arguments that cannot work together; launch.py prints it and exits 2."""
 

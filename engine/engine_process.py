@@ -19,7 +19,8 @@ import zmq
 import envs
 from cache_manager.cache_transfer_manager import run_cache_transfer
 from cache_manager.kv_layout import device_cache_segment, host_cache_segment
-from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
+from cache_manager.prefix_cache_manager import PrefixCacheManager
+from config.engine_config import CacheConfig
 from cache_manager.transfer_client import CacheTransferClient
 from config.engine_config import EngineConfig
 from config.log import setup_logging

@@ -10,7 +10,8 @@ import numpy as np
 
 from cache_manager.block_hash import hash_full_blocks
 from cache_manager.block_state import BlockState
-from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
+from cache_manager.prefix_cache_manager import PrefixCacheManager
+from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_manager.prefix_cache_manager import BlockAllocationError, CacheConfig, PrefixCacheManager
+from cache_manager.prefix_cache_manager import BlockAllocationError, PrefixCacheManager
+from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache_manager.block_state import BlockState
-from cache_manager.prefix_cache_manager import CacheConfig, PrefixCacheManager
+from cache_manager.prefix_cache_manager import PrefixCacheManager
+from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
