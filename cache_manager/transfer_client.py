@@ -1,6 +1,6 @@
 """Engine-side end of the cache transfer channel: send copy tasks, dispatch what comes back.
 
-Decision (issue 10): the engine never blocks on a KV transfer. The ``PrefixCacheManager``
+Decision (issue 10): the engine never blocks on a KV transfer. The KV cache's ``TransferPlanner``
 issues every task asynchronously through ``submit``; the engine loop calls ``poll`` and the
 client hands each ``TransferStarted`` / ``TransferDone`` to the cache manager's handlers. A
 task's blocks stay quarantined in the cache manager until its ``TransferDone`` arrives or the

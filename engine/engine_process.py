@@ -19,7 +19,7 @@ import zmq
 import envs
 from cache_manager.cache_transfer_manager import run_cache_transfer
 from cache_manager.kv_layout import device_cache_segment, host_cache_segment
-from cache_manager.prefix_cache_manager import PrefixCacheManager
+from cache_manager.kv_cache_manager import KVCacheManager
 from config.engine_config import CacheConfig
 from cache_manager.transfer_client import CacheTransferClient
 from config.engine_config import EngineConfig
@@ -91,7 +91,7 @@ class StepLog:
         elapsed = now - self.window_start
         logger.info("%.1f gen tok/s | running %d waiting %d | KV blocks %d/%d | step %.1f ms (worker %.1f ms) "
                     "| %d preemptions", self.tokens / elapsed, scheduler.num_running, scheduler.num_waiting,
-                    scheduler.block_manager.num_used_blocks, scheduler.block_manager.num_blocks,
+                    scheduler.kv_cache.num_used_blocks, scheduler.kv_cache.num_blocks,
                     1000 * self.step_seconds / self.steps, 1000 * self.execute_seconds / self.steps,
                     scheduler.num_preemptions)
         self._reset(now)
@@ -120,8 +120,8 @@ class Engine:
         self.transfer: CacheTransferClient | None = None
         if needs_cache_transfer(config):
             self.transfer = CacheTransferClient(self.context, addresses.transfer_tasks, addresses.transfer_done)
-        self.cache = PrefixCacheManager(cache_config(config), self.signals.block_states.value,
-                                        submit=self.transfer.submit if self.transfer else None)
+        self.cache = KVCacheManager(cache_config(config), self.signals.block_states.value,
+                                    submit=self.transfer.submit if self.transfer else None)
         if self.transfer is not None:
             self.transfer.on_done = self.cache.on_transfer_done
             self.transfer.on_started = self.cache.on_transfer_started
@@ -439,7 +439,7 @@ class Engine:
                                f"{signature}") from exc
 
     def _publish_stats(self) -> None:
-        sched, blocks = self.scheduler, self.scheduler.block_manager
+        sched, blocks = self.scheduler, self.scheduler.kv_cache
         self.signals.engine_stats.value[:] = (sched.num_running, sched.num_waiting, blocks.num_used_blocks,
                                               blocks.num_blocks, sched.num_preemptions, sched.num_steps,
                                               self.stats_restarts["worker_restarts"],
@@ -454,8 +454,9 @@ class Engine:
             raise WorkerDied(stalled, "cache_transfer")
         try:
             self.transfer.poll()
-            for seq in self.cache.expired_loads():
-                self.scheduler.preempt(seq)
+            # Fills past their deadline are preempted by the scheduler (Scheduler.schedule). Offload stays
+            # here: it picks no sequence, only keeps free device blocks above the watermark, and needs a
+            # transfer process.
             self.cache.offload()
         except Exception as exc:
             # No request to blame: a bad transfer's blocks stay quarantined until its deadline restarts the process.

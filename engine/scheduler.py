@@ -3,21 +3,23 @@
 Each step spends a token budget (``--max-num-batched-tokens``): running
 sequences first (one token for a decode, a chunk for an unfinished prefill),
 then waiting ones while sequences and blocks allow. A sequence entering the
-running set gets its cached prefix from the ``PrefixCacheManager``; admission
+running set gets its cached prefix from the ``KVCacheManager``; admission
 is decided on what it needs after the prefix match, so a waiting sequence that
 does not fit stays waiting and ``schedule`` never fails for lack of blocks.
 While blocks of it are still being filled from host memory or storage it is not
-scheduled. When a running sequence needs a block and none is free, the most
-recently admitted sequence is preempted: its blocks are released and it is
-recomputed from its tokens later (its full blocks usually stay cached). A
-sequence that would need more blocks than the whole pool ends with an error.
+scheduled; if the fills outlast the transfer timeout, the next ``schedule``
+preempts it and it is recomputed without the lower tiers. When a running
+sequence needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are released and it is recomputed from its tokens later
+(its full blocks usually stay cached). A sequence that would need more blocks
+than the whole pool ends with an error.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
 
-from cache_manager.prefix_cache_manager import PrefixCacheManager
+from cache_manager.kv_cache_manager import KVCacheManager
 from engine.request import RequestOutput
 from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult
@@ -26,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, block_manager: PrefixCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, schedule_on_fill_start: bool = False) -> None:
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
         # Test-only fault (FD_KVCACHE_FAULT_EARLY_SCHEDULE): run a sequence once its fills have started.
         self.schedule_on_fill_start = schedule_on_fill_start
         self.max_num_seqs = max_num_seqs
@@ -60,10 +62,10 @@ class Scheduler:
 
     def _pool_problem(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never run its next step, however many blocks are freed (the pool is too small)."""
-        needed = self.block_manager.blocks_needed(seq.num_tokens)
-        if needed > self.block_manager.num_blocks:
+        needed = self.kv_cache.blocks_needed(seq.num_tokens)
+        if needed > self.kv_cache.num_blocks:
             return (f"{seq.request_id} needs {needed} KV blocks for {seq.num_tokens} tokens; "
-                    f"the pool has {self.block_manager.num_blocks}")
+                    f"the pool has {self.kv_cache.num_blocks}")
         return None
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -93,6 +95,7 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------
 
     def schedule(self) -> StepBatch | None:
+        self.preempt_expired_loads()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         budget, preempted = self._schedule_running(budget, scheduled)
@@ -120,7 +123,7 @@ class Scheduler:
             preempted_any |= preempted
             if not fits:
                 break  # seq itself was preempted; it was the last running one
-            if not self.block_manager.try_allocate(seq, seq.num_computed_tokens + num_new):
+            if not self.kv_cache.try_allocate(seq, seq.num_computed_tokens + num_new):
                 # _make_room just checked the same need; never reached, but never worth a crash either.
                 logger.error("%s: blocks vanished after room was made; trying again next step", seq.request_id)
                 break
@@ -138,7 +141,7 @@ class Scheduler:
         for them like any new request.
         """
         preempted = False
-        while not self.block_manager.can_allocate(seq, num_tokens):
+        while not self.kv_cache.can_allocate(seq, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             preempted = True
@@ -152,7 +155,7 @@ class Scheduler:
             # Decided on the need after the prefix match (hits that were evictable are no longer free,
             # fills take fresh blocks, the first chunk starts after the cached prefix), so the allocate
             # below cannot fail; a sequence that does not fit keeps waiting.
-            if not self.block_manager.try_admit(seq, budget):
+            if not self.kv_cache.try_admit(seq, budget):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -160,7 +163,7 @@ class Scheduler:
             if self._is_loading(seq):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.try_allocate(seq, seq.num_computed_tokens + num_new):
+            if not self.kv_cache.try_allocate(seq, seq.num_computed_tokens + num_new):
                 # try_admit counted this chunk; never reached. The running pass deals with it next step.
                 logger.error("%s: admitted but its first chunk does not fit; retrying next step", seq.request_id)
                 break
@@ -168,16 +171,20 @@ class Scheduler:
             budget -= num_new
 
     def _is_loading(self, seq: Sequence) -> bool:
-        return self.block_manager.is_loading(seq, started_is_enough=self.schedule_on_fill_start)
+        return self.kv_cache.is_loading(seq, started_is_enough=self.schedule_on_fill_start)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence out (e.g. its cache fill timed out); it is recomputed later."""
-        if seq in self.running:
-            self.running.remove(seq)
-            self._preempt(seq)
+    def preempt_expired_loads(self) -> None:
+        """Sequences whose cache fills outlasted the transfer timeout go back to waiting, to be recomputed.
+
+        ``schedule`` calls it first; a fill timeout is a scheduling decision, not the engine loop's.
+        """
+        for seq in self.kv_cache.expired_loads():
+            if seq in self.running:
+                self.running.remove(seq)
+                self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -210,7 +217,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             seq.num_computed_tokens += num_new
-            self.block_manager.on_tokens_computed(seq)
+            self.kv_cache.on_tokens_computed(seq)
             error = result.errors.get(seq.request_id)
             if error is not None:
                 outputs.append(self._finish_with(seq, "error", error))
@@ -247,7 +254,7 @@ class Scheduler:
         return self._output(seq, finish_reason=reason, error=error)
 
     def _finish(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.kv_cache.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     @staticmethod

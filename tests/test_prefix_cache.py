@@ -1,4 +1,4 @@
-"""PrefixCacheManager decisions: sharing, eviction, tiers, block states, quarantine.
+"""KVCacheManager decisions: sharing, eviction, tiers, block states, quarantine.
 
 The cache transfer process is the boundary here: tasks the manager submits are
 collected, and the test answers them the way the real process does (its own
@@ -10,7 +10,7 @@ import numpy as np
 
 from cache_manager.block_hash import hash_full_blocks
 from cache_manager.block_state import BlockState
-from cache_manager.prefix_cache_manager import PrefixCacheManager
+from cache_manager.kv_cache_manager import KVCacheManager
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -43,19 +43,19 @@ class Clock:
 
 
 def manager(num_blocks: int = 16, num_cpu_blocks: int = 0, storage: bool = False, policy: str = "write_through",
-            watermark: float = 0.0, clock: Clock | None = None) -> tuple[PrefixCacheManager, TransferLog, np.ndarray]:
+            watermark: float = 0.0, clock: Clock | None = None) -> tuple[KVCacheManager, TransferLog, np.ndarray]:
     log = TransferLog()
     states = np.zeros(num_blocks, np.int8)
     config = CacheConfig(num_blocks, BS, "fp", num_cpu_blocks=num_cpu_blocks, storage_enabled=storage,
                          write_policy=policy, offload_watermark=watermark, transfer_timeout_s=10.0)
-    return PrefixCacheManager(config, states, submit=log, clock=clock or Clock()), log, states
+    return KVCacheManager(config, states, submit=log, clock=clock or Clock()), log, states
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
     return Sequence(rid, list(tokens), SamplingParams(max_tokens=4), eos_token_ids=(2,))
 
 
-def run_prefill(cache: PrefixCacheManager, s: Sequence) -> None:
+def run_prefill(cache: KVCacheManager, s: Sequence) -> None:
     """Admit, allocate and 'compute' the whole prompt, as scheduler + worker would."""
     cache.admit(s)
     cache.allocate(s, s.num_tokens)
@@ -338,14 +338,14 @@ def test_swaps_and_write_backs_get_a_deadline_and_overdue_ones_stay_quarantined(
     cache.free(b)
     cache.free(c)
     cache.fail_all_transfers()  # what the engine does after restarting the transfer process
-    assert cache.num_pending_transfers == 0 and cache.overdue_transfers() == []
-    assert cache.num_free_blocks == 12 and all(h.pinned == 0 for h in cache.host_blocks)
-    host_free = sorted(cache._host_free)
+    assert cache.summary()["transfers_in_flight"] == 0 and cache.overdue_transfers() == []
+    assert cache.num_free_blocks == 12 and all(h.pinned == 0 for h in cache.host.blocks)
+    host_free = sorted(cache.host._free)
     assert len(set(host_free)) == len(host_free)
     # The old process's completions arrive after all: unknown ids, ignored, nothing released twice.
     for task in (swap_in, write, out2):
         cache.on_transfer_done(TransferDone(task.task_id, task.kind, ok=[True] * 3))
-    assert cache.num_free_blocks == 12 and sorted(cache._host_free) == host_free
+    assert cache.num_free_blocks == 12 and sorted(cache.host._free) == host_free
     assert all(states[i] in (BlockState.FREE, BlockState.CACHED) for i in range(12))
 
 
@@ -358,16 +358,16 @@ def test_late_fill_completion_after_a_timeout_releases_the_blocks():
     cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
     cache.free(a)
     cache.reset()
-    sched.add(seq("b", PROMPT))
+    b = seq("b", PROMPT)
+    sched.add(b)
     assert sched.schedule() is None
     task = log.pop("prefetch")
     clock.now += 11
     assert cache.overdue_transfers() == [task]
-    expired = cache.expired_loads()
-    assert [s.request_id for s in expired] == ["b"] and cache.stats.transfer_timeouts == 1
-    sched.preempt(expired[0])
-    assert cache.num_free_blocks == 4  # the 3 blocks being filled stay quarantined
-    batch = sched.schedule()  # b is recomputed without the storage tier, in the 4 other blocks
+    # The scheduler preempts b for its expired fills, then recomputes it without the storage tier in the
+    # 4 other blocks: the 3 blocks being filled stay quarantined.
+    batch = sched.schedule()
+    assert cache.stats.transfer_timeouts == 1 and b.num_preemptions == 1 and cache.num_free_blocks == 0
     assert batch.seqs[0].context_len == 14 and not log.tasks
     cache.on_transfer_done(TransferDone(task.task_id, "prefetch", ok=[True] * 3))
     assert all(states[d] == BlockState.FREE for d in task.device_block_ids)

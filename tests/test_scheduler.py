@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_manager.prefix_cache_manager import BlockAllocationError, PrefixCacheManager
+from cache_manager.kv_cache_manager import BlockAllocationError, KVCacheManager
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -18,13 +18,13 @@ def make_seq(rid: str, prompt_len: int, max_tokens: int = 8, **params) -> Sequen
                     eos_token_ids=(EOS,))
 
 
-def BlockManager(num_blocks: int, block_size: int, prefix_caching: bool = False) -> PrefixCacheManager:
-    return PrefixCacheManager(CacheConfig(num_blocks, block_size, "fp", enable_prefix_caching=prefix_caching))
+def kv_cache_manager(num_blocks: int, block_size: int, prefix_caching: bool = False) -> KVCacheManager:
+    return KVCacheManager(CacheConfig(num_blocks, block_size, "fp", enable_prefix_caching=prefix_caching))
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
                    max_model_len: int = 128, prefix_caching: bool = False) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs, budget, max_model_len)
+    return Scheduler(kv_cache_manager(num_blocks, block_size, prefix_caching), max_num_seqs, budget, max_model_len)
 
 
 def answer(batch: StepBatch, token: int = 7) -> StepResult:
@@ -73,7 +73,7 @@ def test_finish_on_eos_excludes_eos_and_frees_blocks():
     assert outputs[0].new_token_ids == [11] and not outputs[0].finished
     outputs = sched.update(answer(sched.schedule(), token=EOS))
     assert outputs[0].finished and outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == []
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
     assert not sched.has_work()
 
 
@@ -120,7 +120,7 @@ def test_abort_removes_and_frees():
     sched.add(make_seq("a", prompt_len=9))
     batch = sched.schedule()
     assert sched.abort("a") is not None
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
     assert sched.update(answer(batch)) == []  # the in-flight result of an aborted request is dropped
     assert sched.abort("a") is None
 
@@ -141,16 +141,16 @@ def test_max_model_len_ends_generation_with_length():
     assert reasons[-1] == "length"
 
 
-def test_block_manager_allocation_is_all_or_nothing():
-    bm = BlockManager(num_blocks=3, block_size=4)
+def test_kv_cache_allocation_is_all_or_nothing():
+    kv = kv_cache_manager(num_blocks=3, block_size=4)
     seq = make_seq("a", prompt_len=1)
-    bm.allocate(seq, 8)
+    kv.allocate(seq, 8)
     assert len(seq.block_table) == 2
     with pytest.raises(BlockAllocationError):
-        bm.allocate(seq, 16)
-    assert len(seq.block_table) == 2 and bm.num_free_blocks == 1
-    bm.free(seq)
-    assert bm.num_free_blocks == 3
+        kv.allocate(seq, 16)
+    assert len(seq.block_table) == 2 and kv.num_free_blocks == 1
+    kv.free(seq)
+    assert kv.num_free_blocks == 3
 
 
 def test_waiting_request_whose_prefix_match_leaves_too_few_blocks_keeps_waiting():
@@ -163,7 +163,7 @@ def test_waiting_request_whose_prefix_match_leaves_too_few_blocks_keeps_waiting(
     sched.add(Sequence("hog", list(range(100, 111)), SamplingParams(max_tokens=3), eos_token_ids=(EOS,)))
     for _ in range(3):
         sched.update(answer(sched.schedule()))  # hog takes the 3 never-used blocks
-    assert sched.block_manager.num_free_blocks == 3 and sched.block_manager.summary()["kv_blocks_cached"] == 3
+    assert sched.kv_cache.num_free_blocks == 3 and sched.kv_cache.summary()["kv_blocks_cached"] == 3
     turn = make_seq("b", prompt_len=17, max_tokens=1)  # a's prompt + 4 more tokens
     sched.add(turn)
     batch = sched.schedule()
@@ -194,4 +194,4 @@ def test_lone_sequence_that_outgrows_the_pool_ends_with_an_error_instead_of_loop
     assert outputs[-1].finished and outputs[-1].finish_reason == "error"
     assert "needs 3 KV blocks" in outputs[-1].error and "the pool has 2" in outputs[-1].error
     assert sum(len(o.new_token_ids) for o in outputs) == 3 and sched.num_preemptions == 0
-    assert not sched.has_work() and sched.block_manager.num_free_blocks == 2
+    assert not sched.has_work() and sched.kv_cache.num_free_blocks == 2

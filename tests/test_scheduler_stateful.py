@@ -1,4 +1,4 @@
-"""Property tests of the real Scheduler + PrefixCacheManager + block-state array.
+"""Property tests of the real Scheduler + KVCacheManager + block-state array.
 
 The cache transfer process is the boundary: the manager's ``submit`` callback
 records tasks, and the tests answer them late, out of order, failed, partially
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache_manager.block_state import BlockState
-from cache_manager.prefix_cache_manager import PrefixCacheManager
+from cache_manager.kv_cache_manager import KVCacheManager
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -44,7 +44,7 @@ class TaskLog:
         self.pending.append(task)
 
 
-def check_invariants(sched: Scheduler, cache: PrefixCacheManager, states: np.ndarray) -> None:
+def check_invariants(sched: Scheduler, cache: KVCacheManager, states: np.ndarray) -> None:
     """Bookkeeping that must hold between any two calls into scheduler or cache."""
     refs = [0] * cache.num_blocks
     for seq in sched.running:
@@ -58,15 +58,16 @@ def check_invariants(sched: Scheduler, cache: PrefixCacheManager, states: np.nda
         assert len(seq.block_hashes) <= len(seq.block_table)
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.block_table == [], (seq.request_id, seq.block_table)
-    free, cached = set(cache._free), set(cache._cached_lru)
-    assert len(free) == len(cache._free) and not free & cached
+    pool, index, host_pool, transfers = cache.pool, cache.index, cache.host, cache.transfers
+    free, cached = set(pool._free), set(pool._cached_lru)
+    assert len(free) == len(pool._free) and not free & cached
     quarantined = in_use = 0
-    for block in cache.blocks:
+    for block in pool.blocks:
         assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
         assert states[block.block_id] == block.state, (block, states[block.block_id])
         idle = block.block_id in free or block.block_id in cached
         if block.transfer_id is not None:
-            task = cache._tasks.get(block.transfer_id)
+            task = transfers._tasks.get(block.transfer_id)
             assert task is not None and block.block_id in task.device_block_ids, block
             assert block.state in IN_FLIGHT_STATES and not idle, block
             quarantined += block.ref_count == 0
@@ -78,29 +79,29 @@ def check_invariants(sched: Scheduler, cache: PrefixCacheManager, states: np.nda
             assert block.state is BlockState.FREE and block.block_hash is None, block
         else:
             assert block.block_id in cached and block.state is BlockState.CACHED, block
-            assert cache._device_index.get(block.block_hash) == block.block_id, block
+            assert index.device_block(block.block_hash) == block.block_id, block
     assert len(free) + len(cached) + in_use + quarantined == cache.num_blocks
-    for block_hash, block_id in cache._device_index.items():
-        assert cache.blocks[block_id].block_hash == block_hash
+    for block_hash, block_id in index.device_items():
+        assert pool.blocks[block_id].block_hash == block_hash
     # Host tier: free list, indexed (LRU) and pinned-by-a-task blocks; pins match the tasks in flight.
-    pins = [0] * len(cache.host_blocks)
-    for task in cache._tasks.values():
+    pins = [0] * len(host_pool.blocks)
+    for task in transfers._tasks.values():
         for host_id in task.host_block_ids:
             pins[host_id] += 1
-    host_free = set(cache._host_free)
-    assert len(host_free) == len(cache._host_free)
-    assert set(cache._host_index.values()) == set(cache._host_lru)
-    for host in cache.host_blocks:
+    host_free = set(host_pool._free)
+    assert len(host_free) == len(host_pool._free)
+    assert index.host_ids() == set(host_pool._lru)
+    for host in host_pool.blocks:
         assert host.pinned == pins[host.host_id], (host, pins[host.host_id])
         if host.host_id in host_free:
-            assert host.block_hash is None and not host.pinned and host.host_id not in cache._host_lru, host
-        elif host.host_id in cache._host_lru:
-            assert cache._host_index[host.block_hash] == host.host_id, host
+            assert host.block_hash is None and not host.pinned and host.host_id not in host_pool._lru, host
+        elif host.host_id in host_pool._lru:
+            assert index.host_block(host.block_hash) == host.host_id, host
         else:
             assert host.pinned > 0, f"host block {host.host_id} leaked: not free, not cached, not in a transfer"
-    assert cache._num_swapping_out == sum(len(t.device_block_ids) for t in cache._tasks.values()
-                                          if t.kind == "swap_out")
-    assert set(cache._task_deadlines) == set(cache._tasks)
+    assert transfers._num_swapping_out == sum(len(t.device_block_ids) for t in transfers._tasks.values()
+                                              if t.kind == "swap_out")
+    assert set(transfers._task_deadlines) == set(transfers._tasks)
 
 
 class Harness:
@@ -114,7 +115,7 @@ class Harness:
         self.states = np.full(num_blocks, 99, np.int8)
         config = CacheConfig(num_blocks, block_size, "fp", num_cpu_blocks=num_cpu_blocks, storage_enabled=storage,
                              write_policy=policy, offload_watermark=watermark, transfer_timeout_s=timeout_s)
-        self.cache = PrefixCacheManager(config, self.states, submit=self.log, clock=self.clock)
+        self.cache = KVCacheManager(config, self.states, submit=self.log, clock=self.clock)
         self.sched = Scheduler(self.cache, max_num_seqs, budget, max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self.finished: dict[str, str] = {}  # request id -> finish reason
@@ -133,9 +134,12 @@ class Harness:
         return seq
 
     def service(self) -> None:
-        """engine_process._service_cache, plus the restart the engine does for overdue transfers."""
-        for seq in self.cache.expired_loads():
-            self.sched.preempt(seq)
+        """engine_process._service_cache, plus the restart the engine does for overdue transfers.
+
+        ``schedule`` preempts expired fills itself; calling it here first keeps that path
+        exercised before an overdue task restarts the transfer process and fails the fills.
+        """
+        self.sched.preempt_expired_loads()
         if self.cache.overdue_transfers():
             self.restart_transfer_process()
         self.cache.offload()
@@ -144,7 +148,7 @@ class Harness:
         self.stale += self.log.pending
         self.log.pending = []
         self.cache.fail_all_transfers()
-        assert self.cache.num_pending_transfers == 0
+        assert self.cache.summary()["transfers_in_flight"] == 0
         self.cache.drop_host_tier()
 
     def step(self, rng: random.Random, eos_p: float = 0.1, error_p: float = 0.0) -> bool:
@@ -369,7 +373,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         budget = 100 + sum(s.num_tokens + s.sampling_params.max_tokens for s in self.h.seqs.values()) * 4
         self.h.drain(self.rng, max_steps=budget)
-        assert self.h.cache.num_pending_transfers == 0
+        assert self.h.cache.summary()["transfers_in_flight"] == 0
         assert self.h.cache.num_free_blocks == self.h.cache.num_blocks
 
 
