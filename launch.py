@@ -462,18 +462,19 @@ def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
 
 
 def serve_http(server: Server, config: EngineConfig) -> None:
-    from engine.entrypoints.api_server import build_app, create_server
+    from engine.entrypoints.api_server import build_app
+    from engine.entrypoints.http_server import create_server
     from engine.entrypoints.dp_router import DPRouter
     from engine.entrypoints.engine_client import EngineClient
     from engine.entrypoints.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.args.model)
-    clients = [EngineClient(tokenizer, r.addresses.requests, r.addresses.outputs, r.signals, r, r.config.dp_rank)
+    clients = [EngineClient(tokenizer, r.addresses, r.signals, r, instance_id=r.config.instance_id,
+                            dp_rank=r.config.dp_rank)
                for r in server.replicas]
     client = clients[0] if len(clients) == 1 else DPRouter(clients, config.block_size)
     app = build_app(client, served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                    api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES,
-                    instance_id=config.instance_id, dp_rank=server.replicas[0].config.dp_rank)
+                    api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
     drain_s = max(0.0, envs.FD_SHUTDOWN_DRAIN_S)
     # Our own SIGINT/SIGTERM handlers: a drain, then launch's finally-block cleanup. uvicorn's
     # own deadline is only a backstop: the drain ends every request before it.

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with clock.part("lm_head"):
             logits = model.compute_logits(paddle.index_select(hidden, meta.last_token_indices))
         with clock.part("sampling"):
-            tokens = sampler.sample(logits, [s.sampling_params for s in batch.seqs], [s.step_index for s in batch.seqs])
+            tokens = sampler.sample(logits, [s.sampling_params for s in batch.seqs], [s.num_output_tokens for s in batch.seqs])
         with clock.part("ipc"):
             result = StepResult(step_index, {s.request_id: int(t) for s, t in zip(batch.seqs, tokens)})
             sender.send(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))

@@ -24,12 +24,12 @@ from config.engine_config import CacheConfig
 from cache_manager.transfer_client import CacheTransferClient
 from config.engine_config import EngineConfig
 from config.log import setup_logging
-from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
+from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
+                            ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
-from inter_communicator.kvcache_lock import KVCacheLock
 from inter_communicator.shm import unlink_segment
 from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
 from worker.worker_process import run_worker
@@ -51,6 +51,8 @@ class EngineAddresses:
 
     requests: str  # API server -> engine (PUSH -> PULL)
     outputs: str  # engine -> API server
+    control_requests: str  # API server -> engine: ControlRequest (PUSH -> PULL)
+    control_replies: str  # engine -> API server: one ControlReply per ControlRequest (PUSH -> PULL)
     batches: str  # engine -> worker
     results: str  # worker -> engine
     transfer_tasks: str  # engine -> cache transfer process
@@ -61,8 +63,9 @@ class EngineAddresses:
         def addr(name: str) -> str:
             return f"ipc://{os.path.join(ipc_dir, f'{name}.{dp_rank}.sock')}"
 
-        return cls(addr("requests"), addr("outputs"), addr("batches"), addr("results"), addr("transfer_tasks"),
-                   addr("transfer_done"))
+        return cls(requests=addr("requests"), outputs=addr("outputs"), control_requests=addr("control_requests"),
+                   control_replies=addr("control_replies"), batches=addr("batches"), results=addr("results"),
+                   transfer_tasks=addr("transfer_tasks"), transfer_done=addr("transfer_done"))
 
 
 class StepLog:
@@ -134,15 +137,17 @@ class Engine:
         )
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
         self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
+        # Control has its own endpoints and reply socket; its requests are read by the same
+        # socket as generation requests (bound to both addresses), so the loop answers them
+        # between steps, never while the scheduler or the cache is mid-change.
+        self.request_socket.bind(addresses.control_requests)
+        self.control_reply_socket = self._socket(zmq.PUSH, addresses.control_replies)
         self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
         self.result_socket = self._socket(zmq.PULL, addresses.results)
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self.cache_transfers: list[multiprocessing.process.BaseProcess] = []
         self.step_log = StepLog()
         self.stats_restarts = {"worker_restarts": 0, "cache_transfer_restarts": 0}
-        # Read-only handle for reporting the lock's wait/hold counters (the lock itself is launch.py's).
-        self.kvcache_lock = (KVCacheLock.attach(config.instance_id, config.dp_rank, role="engine")
-                             if envs.FD_USE_KVCACHE_LOCK else None)
         self._restart_times: list[float] = []
         self._consecutive_failures = 0
         self._iteration_failed = False
@@ -491,7 +496,7 @@ class Engine:
             if not isinstance(request_id, str):
                 return []
             if isinstance(message, ControlRequest):
-                self.output_socket.send_pyobj([ControlReply(request_id, {}, error=error)])
+                self.control_reply_socket.send_pyobj(ControlError(request_id, error))
                 return []
             held = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting)
                     if s.request_id == request_id]
@@ -521,22 +526,20 @@ class Engine:
             return [RequestOutput(seq.request_id, [], finished=True, finish_reason="abort",
                                   num_prompt_tokens=seq.num_prompt_tokens)]
         if isinstance(message, ControlRequest):
-            self.output_socket.send_pyobj([self._control(message)])
+            self.control_reply_socket.send_pyobj(self._control(message))
             return []
         logger.error("ignoring unknown message of type %s from the API server", type(message).__name__)
         return []
 
     def _control(self, request: ControlRequest) -> ControlReply:
-        if request.command == "reset_prefix_cache":
+        """The reply to one control command (the kvcache lock's counters are read by the API server)."""
+        if request.command == RESET_PREFIX_CACHE:
             dropped = self.cache.reset()
             logger.info("prefix cache reset: %d device/host blocks dropped (storage kept)", dropped)
-            return ControlReply(request.request_id, {"dropped_blocks": dropped})
-        if request.command == "cache_stats":
-            summary = self.cache.summary()
-            if self.kvcache_lock is not None:
-                summary["kvcache_lock"] = self.kvcache_lock.stats()
-            return ControlReply(request.request_id, summary)
-        return ControlReply(request.request_id, {}, error=f"unknown command {request.command!r}")
+            return ResetPrefixCacheReply(request.request_id, dropped)
+        if request.command == CACHE_STATS:
+            return CacheStatsReply(request.request_id, self.cache.summary())
+        return ControlError(request.request_id, f"unknown command {request.command!r}")
 
     def _run_step(self, batch: StepBatch) -> StepResult:
         self.batch_socket.send_pyobj(batch)
@@ -575,12 +578,11 @@ class Engine:
 
     def close(self) -> None:
         self.signals.engine_ready.value[0] = 0
-        for sock in (self.request_socket, self.output_socket, self.batch_socket, self.result_socket):
+        for sock in (self.request_socket, self.output_socket, self.control_reply_socket, self.batch_socket,
+                     self.result_socket):
             sock.close(linger=0)
         if self.transfer is not None:
             self.transfer.close()
-        if self.kvcache_lock is not None:
-            self.kvcache_lock.close()
         self.context.term()
         self.signals.close()
 

@@ -1,12 +1,18 @@
 """Messages between the API server and the engine process (ZMQ, pickled).
 
-Data flows one way: the API server sends ``EngineRequest`` / ``AbortRequest``;
-the engine answers with ``RequestOutput`` batches. Token ids only: text is the
-API server's business (tokenizer, detokenizer, stop strings).
+Two channels per DP rank (addresses in ``engine_process.EngineAddresses``):
+
+- requests: the API server sends ``EngineRequest`` / ``AbortRequest`` (``requests``); the engine
+  answers with ``RequestOutput`` batches (``outputs``). Token ids only: text is the API server's
+  business (tokenizer, detokenizer, stop strings).
+- control: the API server sends a ``ControlRequest`` (``control_requests``); the engine answers
+  each with exactly one reply (``control_replies``): ``ResetPrefixCacheReply``,
+  ``CacheStatsReply`` or ``ControlError``, matched by ``request_id``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Union
 
 from config.sampling_params import SamplingParams
 
@@ -38,16 +44,48 @@ class RequestOutput:
     error: str | None = None
 
 
+# Control commands (``ControlRequest.command``).
+RESET_PREFIX_CACHE = "reset_prefix_cache"
+CACHE_STATS = "cache_stats"
+CONTROL_COMMANDS = (RESET_PREFIX_CACHE, CACHE_STATS)
+
+
 @dataclass
 class ControlRequest:
-    """An administrative command for the engine (``reset_prefix_cache``, ``cache_stats``)."""
+    """An administrative command for the engine: one of ``CONTROL_COMMANDS``."""
 
     request_id: str
     command: str
 
 
 @dataclass
-class ControlReply:
+class ResetPrefixCacheReply:
+    """The device and host tiers' cached prefixes were dropped (the storage tier is kept)."""
+
     request_id: str
-    result: dict
-    error: str | None = None
+    dropped_blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dropped_blocks": self.dropped_blocks}
+
+
+@dataclass
+class CacheStatsReply:
+    """The prefix cache's counters and gauges (``PrefixCacheManager.summary()``), by name."""
+
+    request_id: str
+    cache: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.cache)
+
+
+@dataclass
+class ControlError:
+    """The command failed (unknown command, or the engine raised while running it)."""
+
+    request_id: str
+    error: str
+
+
+ControlReply = Union[ResetPrefixCacheReply, CacheStatsReply, ControlError]

@@ -195,15 +195,15 @@ class Scheduler:
     @staticmethod
     def _to_message(seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        sample = start + num_new == seq.num_tokens
+        needs_sample = start + num_new == seq.num_tokens
         return ScheduledSeq(
             request_id=seq.request_id,
             token_ids=seq.token_ids_slice(start, start + num_new),
             context_len=start + num_new,
             block_table=list(seq.block_table),
-            sample=sample,
-            sampling_params=seq.sampling_params if sample else None,
-            step_index=len(seq.output_token_ids),
+            needs_sample=needs_sample,
+            sampling_params=seq.sampling_params if needs_sample else None,
+            num_output_tokens=len(seq.output_token_ids),
         )
 
     # ---- results ---------------------------------------------------------

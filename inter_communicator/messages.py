@@ -17,9 +17,9 @@ class ScheduledSeq:
     token_ids: list[int]  # tokens whose K/V this step computes
     context_len: int  # KV length of the sequence after this step
     block_table: list[int]
-    sample: bool  # last token of the chunk is the sequence's newest: sample the next one
-    sampling_params: SamplingParams | None = None
-    step_index: int = 0  # tokens generated so far; seeds the sampler deterministically
+    needs_sample: bool  # last token of the chunk is the sequence's newest: sample the next one
+    sampling_params: SamplingParams | None = None  # set when needs_sample
+    num_output_tokens: int = 0  # tokens generated so far; seeds the sampler deterministically
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Harness:
             if not self.worker_in.poll(100):
                 continue
             batch: StepBatch = self.worker_in.recv_pyobj()
-            tokens = {s.request_id: 1000 + s.step_index for s in batch.seqs if s.sample}
+            tokens = {s.request_id: 1000 + s.num_output_tokens for s in batch.seqs if s.needs_sample}
             self.worker_out.send_pyobj(StepResult(batch.step_id, sampled_token_ids=tokens))
 
     def wait_finished(self, request_ids: list[str]) -> dict[str, list[RequestOutput]]:

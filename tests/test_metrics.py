@@ -130,6 +130,17 @@ def test_exposition_parses_and_every_metric_is_prefixed(client: httpx.Client) ->
     total = value(samples, "fdserve:kv_blocks_total")
     assert total > 0 and 0 <= value(samples, "fdserve:kv_blocks_used") <= total
     assert value(samples, "fdserve:kvcache_lock_enabled") == 1
+    # Every lock series names its DP rank (one rank here).
+    for name in ("fdserve:kvcache_lock_enabled", "fdserve:kvcache_lock_acquisitions_total",
+                 "fdserve:kvcache_lock_held"):
+        assert [labels["dp_rank"] for labels, _ in samples[name]] == ["0"], name
+
+
+def test_cache_stats_report_the_ranks_lock(client: httpx.Client) -> None:
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["dp_rank"] == 0
+    assert stats["kvcache_lock"]["enabled"] is True and stats["kvcache_lock"]["name"].endswith(".0")
+    assert "kv_blocks_cached" in stats
 
 
 def test_counters_and_histograms_follow_requests(client: httpx.Client) -> None:

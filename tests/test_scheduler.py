@@ -29,7 +29,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
 
 def answer(batch: StepBatch, token: int = 7) -> StepResult:
     """The worker's reply: one token for every sequence that asked to sample."""
-    return StepResult(batch.step_id, sampled_token_ids={s.request_id: token for s in batch.seqs if s.sample})
+    return StepResult(batch.step_id, sampled_token_ids={s.request_id: token for s in batch.seqs if s.needs_sample})
 
 
 def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end():
@@ -39,13 +39,13 @@ def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end():
     while True:
         batch = sched.schedule()
         seq = batch.seqs[0]
-        chunks.append((len(seq.token_ids), seq.context_len, seq.sample))
+        chunks.append((len(seq.token_ids), seq.context_len, seq.needs_sample))
         sched.update(answer(batch))
-        if seq.sample:
+        if seq.needs_sample:
             break
     assert chunks == [(8, 8, False), (8, 16, False), (4, 20, True)]
     decode = sched.schedule().seqs[0]
-    assert decode.token_ids == [7] and decode.context_len == 21 and decode.sample
+    assert decode.token_ids == [7] and decode.context_len == 21 and decode.needs_sample
 
 
 def test_new_requests_join_running_decodes_and_decodes_come_first():
@@ -112,7 +112,7 @@ def test_preemption_frees_blocks_and_recomputes_with_outputs():
     recompute = batch.seqs[0]
     # Recompute covers the prompt and the token generated before preemption, then samples the next one.
     assert recompute.request_id == "b" and recompute.token_ids == list(range(10, 18)) + [20]
-    assert recompute.sample and recompute.step_index == 1
+    assert recompute.needs_sample and recompute.num_output_tokens == 1
 
 
 def test_abort_removes_and_frees():

@@ -161,7 +161,7 @@ class Harness:
         for s in batch.seqs:
             if rng.random() < error_p:
                 errors[s.request_id] = "worker error for this request"
-            elif s.sample:
+            elif s.needs_sample:
                 sampled[s.request_id] = EOS if rng.random() < eos_p else rng.randrange(3, 9)
         for out in self.sched.update(StepResult(batch.step_id, sampled_token_ids=sampled, errors=errors)):
             if out.finished:

@@ -143,7 +143,7 @@ class ModelRunner:
         offset = 0
         for seq in batch.seqs:
             offset += len(seq.token_ids)
-            if seq.sample:
+            if seq.needs_sample:
                 rows.append(offset - 1)
                 sampled.append(seq)
         if not sampled:
@@ -151,16 +151,16 @@ class ModelRunner:
         last_hidden = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
         logits = self.model.compute_logits(last_hidden)
         params = [seq.sampling_params for seq in sampled]
-        steps = [seq.step_index for seq in sampled]
+        num_output_tokens = [seq.num_output_tokens for seq in sampled]
         try:
-            tokens = self.sampler.sample(logits, params, steps)
+            tokens = self.sampler.sample(logits, params, num_output_tokens)
         except SamplingError as exc:
             # Rows with non-finite logits fail their request; the others keep the tokens already drawn.
             tokens = exc.tokens
             for row in exc.rows:
                 seq = sampled[row]
                 result.errors[seq.request_id] = ("the model produced non-finite logits (NaN/inf) at output "
-                                                 f"position {seq.step_index}; the request was stopped")
+                                                 f"position {seq.num_output_tokens}; the request was stopped")
         for seq, token in zip(sampled, tokens):
             if seq.request_id not in result.errors:
                 result.sampled_token_ids[seq.request_id] = int(token)

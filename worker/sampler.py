@@ -16,7 +16,7 @@ never sorting the whole vocabulary in the common case:
   in it, so no cumulative sum over the whole vocabulary is needed.
 
 Determinism: a seeded row draws its one uniform number from
-``Generator(PCG64([seed, step_index]))``, so its tokens depend only on its own logits, seed
+``Generator(PCG64([seed, num_output_tokens]))``, so its tokens depend only on its own logits, seed
 and position, not on the other requests in the batch. Unseeded rows share one process RNG.
 
 Non-finite logits: ``sample`` raises ``SamplingError`` naming the bad rows and carrying the
@@ -67,17 +67,17 @@ class Sampler:
         self,
         logits: paddle.Tensor | np.ndarray,
         params: list[SamplingParams],
-        step_indices: list[int],
+        num_output_tokens: list[int],
     ) -> np.ndarray:
-        """One int64 token per row. ``step_indices[i]``: tokens request i generated so far.
+        """One int64 token per row. ``num_output_tokens[i]``: tokens request i generated so far.
 
         Raises ``SamplingError`` if any row's logits contain NaN or inf (see module doc).
         """
         x = _as_float32_numpy(logits)
-        if x.ndim != 2 or x.shape[0] != len(params) or len(params) != len(step_indices):
+        if x.ndim != 2 or x.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError(
-                f"logits {x.shape} must be [batch, vocab] with batch == len(params) == len(step_indices) "
-                f"({len(params)}, {len(step_indices)})"
+                f"logits {x.shape} must be [batch, vocab] with batch == len(params) == len(num_output_tokens) "
+                f"({len(params)}, {len(num_output_tokens)})"
             )
         finite = np.isfinite(x).all(axis=1)
         tokens = np.full(x.shape[0], INVALID_TOKEN, dtype=np.int64)
@@ -87,7 +87,7 @@ class Sampler:
             # argmax of every row costs less than gathering the greedy ones first.
             tokens[greedy_rows] = x.argmax(axis=1)[greedy_rows]
         if random_rows:
-            tokens[random_rows] = self._sample_random(x, random_rows, params, step_indices)
+            tokens[random_rows] = self._sample_random(x, random_rows, params, num_output_tokens)
         if not finite.all():
             bad = np.flatnonzero(~finite).tolist()
             logger.error("non-finite logits in batch rows %s", bad)
@@ -95,14 +95,14 @@ class Sampler:
         return tokens
 
     def _sample_random(
-        self, x: np.ndarray, rows: list[int], params: list[SamplingParams], step_indices: list[int]
+        self, x: np.ndarray, rows: list[int], params: list[SamplingParams], num_output_tokens: list[int]
     ) -> np.ndarray:
         exp_logits = self._tempered_exp(x, rows, [params[i].temperature for i in rows])
         vocab = exp_logits.shape[1]
         out = np.empty(len(rows), dtype=np.int64)
         for j, i in enumerate(rows):
             p = params[i]
-            rng = self._rng if p.seed is None else np.random.Generator(np.random.PCG64([p.seed, step_indices[i]]))
+            rng = self._rng if p.seed is None else np.random.Generator(np.random.PCG64([p.seed, num_output_tokens[i]]))
             u = rng.random()
             e = exp_logits[j]
             if 0 < p.top_k < vocab:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from cache_manager.block_hash import ROOT_HASH, hash_block
-from engine.entrypoints.engine_client import EngineClient, EngineUnavailableError
+from engine.entrypoints.engine_client import CONTROL_TIMEOUT_S, EngineClient, EngineUnavailableError
 from engine.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -112,18 +112,26 @@ class DPRouter:
         if rank is not None:
             await self.clients[rank].abort(request_id)
 
-    async def control(self, command: str, timeout: float = 30.0) -> dict:
-        """Run ``command`` on every rank that is running (a restarting rank has nothing to report)."""
+    async def reset_prefix_cache(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        """Reset every running rank's prefix cache (a restarting rank has an empty one anyway)."""
+        return _merge([await c.reset_prefix_cache(timeout) for c in self._running()])
+
+    async def cache_stats(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        """Every running rank's ``cache_stats`` under ``ranks``, numeric values summed at the top."""
+        return _merge([await c.cache_stats(timeout) for c in self._running()])
+
+    def _running(self) -> list[EngineClient]:
         running = [c for c in self.clients if c.accepting]
         if not running:
             raise EngineUnavailableError(self.unavailable_reason())
-        results = [await c.control(command, timeout) for c in running]
-        merged: dict = {"ranks": results}
-        for result in results:
-            for name, value in result.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    merged[name] = merged.get(name, 0) + value
-        return merged
+        return running
+
+    def kvcache_lock_stats(self) -> dict[int, dict[str, Any] | None]:
+        """``{dp_rank: KVCacheLock.stats() or None}`` of every rank (see ``EngineClient``)."""
+        stats: dict[int, dict[str, Any] | None] = {}
+        for client in self.clients:
+            stats.update(client.kvcache_lock_stats())
+        return stats
 
     def engine_stats(self) -> dict[str, int]:
         """Every rank's shared-memory gauges, summed."""
@@ -132,13 +140,6 @@ class DPRouter:
             for name, value in client.engine_stats().items():
                 total[name] = total.get(name, 0) + value
         return total
-
-    def ipc_identity(self) -> tuple[str, int]:
-        """(instance id, DP rank) of the first local rank (metrics attach its KV-cache lock)."""
-        return self.clients[0].ipc_identity()
-
-    def is_healthy(self) -> bool:
-        return self.health()["status"] == "ok"
 
     def health(self) -> dict:
         ranks = [c.health() for c in self.clients]
@@ -157,3 +158,13 @@ class DPRouter:
             "active_requests": self.num_active_requests,
             "engine_restarts": sum(r.get("engine_restarts", 0) for r in ranks),
         }
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-rank replies under ``ranks``; their numeric values (not ``dp_rank``) summed at the top."""
+    merged: dict[str, Any] = {"ranks": results}
+    for result in results:
+        for name, value in result.items():
+            if name != "dp_rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[name] = merged.get(name, 0) + value
+    return merged

@@ -4,7 +4,21 @@ Requests go out on one PUSH socket; one background task reads every
 ``RequestOutput`` batch the engine sends and hands each output to the queue of
 its request. ``generate`` is an async iterator per request; leaving it early
 (client gone, stop string hit) aborts the request in the engine so its blocks
-are freed.
+are freed. Control commands (``reset_prefix_cache``, ``cache_stats``) have their own
+channel (``EngineAddresses.control_requests`` / ``control_replies``), their own reader and
+their own map of pending replies: they never mix with request outputs.
+
+Engine state, one path: everything the API server reports about an engine (``/health``,
+``/metrics``, ``/v1/cache/stats``) is read through this client, which knows its instance id
+and DP rank:
+
+- ``engine_stats()``: the scheduler gauges and counters from the ``ENGINE_STATS`` shared
+  memory (no message: answers even while the engine is busy in a step);
+- ``cache_stats()``: the prefix cache's counters, asked from the engine on the control channel
+  (answered between steps), plus this rank's KV-cache lock record;
+- ``kvcache_lock_stats()``: the KV-cache lock's shared record of this rank (read without the
+  lock, never blocks), when ``FD_USE_KVCACHE_LOCK`` is on. ``DPRouter`` gives the same calls
+  across every rank, keyed or labelled by DP rank.
 
 The engine process itself is supervised by launch.py (``EngineProcessView``): while it
 restarts, is down for good, or the server is stopping, ``generate`` refuses new requests
@@ -17,19 +31,25 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 import zmq
 import zmq.asyncio
 
 import envs
-from engine.request import AbortRequest, ControlReply, ControlRequest, EngineRequest, RequestOutput
 from engine.entrypoints.tokenizer import Tokenizer
+from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
+                            ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
 from inter_communicator.instance_signals import InstanceSignals
+from inter_communicator.kvcache_lock import KVCacheLock
+
+if TYPE_CHECKING:
+    from engine.engine_process import EngineAddresses
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_PREFIX = "control-"
+# Longest wait for a control reply unless the caller gives its own.
+CONTROL_TIMEOUT_S = 30.0
 # Longest wait for the engine's socket before a request is refused with 503.
 SEND_TIMEOUT_S = 5.0
 
@@ -40,6 +60,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineUnavailableError(EngineDeadError):
     """This rank takes no requests now (restarting, down, or the server is stopping): HTTP 503."""
+
+
+class EngineControlError(RuntimeError):
+    """A control command failed in the engine, or was ended before its reply (HTTP 500)."""
 
 
 # EngineProcessView.state values.
@@ -66,12 +90,15 @@ class EngineProcessView(Protocol):
 
 
 class EngineClient:
-    def __init__(self, tokenizer: Tokenizer, requests_addr: str, outputs_addr: str, signals: InstanceSignals,
-                 engine: EngineProcessView, dp_rank: int = 0) -> None:
+    """The engine of DP rank ``dp_rank`` of instance ``instance_id``, reached at ``addresses``."""
+
+    def __init__(self, tokenizer: Tokenizer, addresses: EngineAddresses, signals: InstanceSignals,
+                 engine: EngineProcessView, *, instance_id: str, dp_rank: int,
+                 kvcache_lock_enabled: bool | None = None) -> None:
         self.tokenizer = tokenizer
+        self.instance_id = instance_id
         self.dp_rank = dp_rank
-        self._requests_addr = requests_addr
-        self._outputs_addr = outputs_addr
+        self._addresses = addresses
         self._signals = signals
         self._engine = engine
         self._stopping = False
@@ -83,27 +110,43 @@ class EngineClient:
         self._push: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._control_push: zmq.asyncio.Socket | None = None
+        self._control_pull: zmq.asyncio.Socket | None = None
+        self._control_reader: asyncio.Task | None = None
+        self._pending_control: dict[str, asyncio.Future[ControlReply]] = {}
+        self._lock_enabled = envs.FD_USE_KVCACHE_LOCK if kvcache_lock_enabled is None else kvcache_lock_enabled
+        self._lock: KVCacheLock | None = None
+        self._lock_attach_logged = False
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
-        self._push.connect(self._requests_addr)
+        self._push.connect(self._addresses.requests)
         self._pull = self._context.socket(zmq.PULL)
-        self._pull.connect(self._outputs_addr)
+        self._pull.connect(self._addresses.outputs)
+        self._control_push = self._context.socket(zmq.PUSH)
+        self._control_push.connect(self._addresses.control_requests)
+        self._control_pull = self._context.socket(zmq.PULL)
+        self._control_pull.connect(self._addresses.control_replies)
         self._reader = asyncio.create_task(self._read_outputs())
+        self._control_reader = asyncio.create_task(self._read_control_replies())
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                logger.debug("output reader stopped")
-        for sock in (self._push, self._pull):
+        for reader in (self._reader, self._control_reader):
+            if reader is not None:
+                reader.cancel()
+                try:
+                    await reader
+                except asyncio.CancelledError:
+                    logger.debug("reader task stopped")
+        for sock in (self._push, self._pull, self._control_push, self._control_pull):
             if sock is not None:
                 sock.close(linger=0)
         if self._context is not None:
             self._context.term()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     async def _read_outputs(self) -> None:
         while True:
@@ -112,6 +155,16 @@ class EngineClient:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
+
+    async def _read_control_replies(self) -> None:
+        while True:
+            reply: ControlReply = await self._control_pull.recv_pyobj()
+            pending = self._pending_control.get(reply.request_id)
+            if pending is None or pending.done():
+                # Its caller timed out or was failed already.
+                logger.info("late control reply %s dropped", reply.request_id)
+                continue
+            pending.set_result(reply)
 
     def _engine_alive(self) -> bool:
         return self._engine.alive()
@@ -146,12 +199,13 @@ class EngineClient:
         return {self.dp_rank: self._engine.restarts}
 
     def fail_all(self, reason: str) -> int:
-        """End every request in flight with an error output ``reason``; returns how many."""
+        """End every request in flight with an error output ``reason`` (and every pending control
+        command with ``EngineControlError``); returns how many requests."""
         for request_id, queue in list(self._queues.items()):
-            if request_id.startswith(_CONTROL_PREFIX):
-                queue.put_nowait(ControlReply(request_id, {}, error=reason))
-            else:
-                queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason))
+            queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason))
+        for pending in self._pending_control.values():
+            if not pending.done():
+                pending.set_exception(EngineControlError(reason))
         return len(self._queues)
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -177,13 +231,26 @@ class EngineClient:
         """The engine's gauges from shared memory, by ``ENGINE_STATS`` name (read without a message)."""
         return self._signals.stats()
 
-    def ipc_identity(self) -> tuple[str, int]:
-        """(instance id, DP rank) of the engine, for attaching its other IPC objects (the kvcache lock)."""
-        # Names are fd.<instance>.<name>.<rank> and no part may contain a dot (shm.ipc_name).
-        parts = self._signals.engine_stats.shm_name.split(".")
-        if len(parts) != 4 or parts[0] != "fd" or not parts[3].isdigit():
-            raise ValueError(f"unexpected IPC name {self._signals.engine_stats.shm_name!r}")
-        return parts[1], int(parts[3])
+    def kvcache_lock_stats(self) -> dict[int, dict[str, Any] | None]:
+        """``{dp_rank: KVCacheLock.stats()}`` of this rank; the stats are None while the lock is off
+        or cannot be attached yet."""
+        lock = self._attached_lock()
+        return {self.dp_rank: None if lock is None else lock.stats()}
+
+    def _attached_lock(self) -> KVCacheLock | None:
+        if not self._lock_enabled:
+            return None
+        if self._lock is None:
+            try:
+                # launch.py creates the lock of each rank before its engine; this handle only reads.
+                self._lock = KVCacheLock.attach(self.instance_id, self.dp_rank, role="metrics")
+            except (FileNotFoundError, ValueError, OSError) as exc:
+                # Retried on the next read; logged once so a scraper does not flood the log.
+                if not self._lock_attach_logged:
+                    logger.warning("cannot attach the kvcache lock of DP rank %d yet: %s", self.dp_rank, exc)
+                    self._lock_attach_logged = True
+                return None
+        return self._lock
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self.accepting:
@@ -195,7 +262,7 @@ class EngineClient:
         request.arrival_time = request.arrival_time or time.time()
         finished = False
         try:
-            await self._send(request)
+            await self._send(self._push, request)
             while not finished:
                 output = await self._next_output(queue, request.request_id)
                 finished = output.finished
@@ -205,21 +272,21 @@ class EngineClient:
             if not finished:
                 await self.abort(request.request_id)
 
-    async def _send(self, message: object) -> None:
+    async def _send(self, sock: zmq.asyncio.Socket, message: object) -> None:
         """Queue ``message`` for the engine; ``EngineUnavailableError`` if it cannot be queued in time.
 
         A PUSH socket with no connected engine (it died a moment ago) would block a plain send
         until the next engine binds; this waits at most ``SEND_TIMEOUT_S``.
         """
         try:
-            await self._push.send_pyobj(message, flags=zmq.NOBLOCK)
+            await sock.send_pyobj(message, flags=zmq.NOBLOCK)
             return
         except zmq.Again:
             logger.debug("the engine of DP rank %d is not connected; waiting up to %.0f s", self.dp_rank,
                          SEND_TIMEOUT_S)
-        if await self._push.poll(int(SEND_TIMEOUT_S * 1000), zmq.POLLOUT):
+        if await sock.poll(int(SEND_TIMEOUT_S * 1000), zmq.POLLOUT):
             try:
-                await self._push.send_pyobj(message, flags=zmq.NOBLOCK)
+                await sock.send_pyobj(message, flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 logger.debug("the engine of DP rank %d went away again", self.dp_rank)
@@ -235,21 +302,42 @@ class EngineClient:
                     return RequestOutput(request_id, [], finished=True, finish_reason="error",
                                          error="the engine process died")
 
-    async def control(self, command: str, timeout: float = 30.0) -> dict:
-        """Run an engine command (``reset_prefix_cache``, ``cache_stats``) and return its result."""
+    async def reset_prefix_cache(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        """Drop the engine's device and host cached prefixes; ``{"dropped_blocks": n}``."""
+        reply = await self._control(RESET_PREFIX_CACHE, ResetPrefixCacheReply, timeout)
+        return reply.to_json()
+
+    async def cache_stats(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        """The engine's prefix-cache counters by name, ``dp_rank``, and ``kvcache_lock`` when the lock is on."""
+        reply = await self._control(CACHE_STATS, CacheStatsReply, timeout)
+        stats = reply.to_json()
+        stats["dp_rank"] = self.dp_rank
+        lock = self.kvcache_lock_stats().get(self.dp_rank)
+        if lock is not None:
+            stats["kvcache_lock"] = lock
+        return stats
+
+    async def _control(self, command: str, reply_type: type, timeout: float) -> Any:
+        """Send ``command`` on the control channel; its reply, of ``reply_type``.
+
+        ``EngineUnavailableError`` if the engine takes no commands now, ``EngineControlError`` if
+        the engine reports a failure, ``asyncio.TimeoutError`` after ``timeout`` s.
+        """
         if not self.accepting:
             raise EngineUnavailableError(self.unavailable_reason())
-        request_id = f"{_CONTROL_PREFIX}{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self._register(request_id, queue)
+        request_id = f"control-{uuid.uuid4().hex}"
+        pending: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._pending_control[request_id] = pending
         try:
-            await self._send(ControlRequest(request_id, command))
-            reply: ControlReply = await asyncio.wait_for(queue.get(), timeout)
+            await self._send(self._control_push, ControlRequest(request_id, command))
+            reply = await asyncio.wait_for(pending, timeout)
         finally:
-            self._unregister(request_id)
-        if reply.error:
-            raise ValueError(reply.error)
-        return reply.result
+            self._pending_control.pop(request_id, None)
+        if isinstance(reply, ControlError):
+            raise EngineControlError(reply.error)
+        if not isinstance(reply, reply_type):
+            raise EngineControlError(f"the engine answered {command} with a {type(reply).__name__}")
+        return reply
 
     async def abort(self, request_id: str) -> None:
         # Only a running engine knows the request; a restarting one has no peer socket yet, and
@@ -260,9 +348,6 @@ class EngineClient:
             await self._push.send_pyobj(AbortRequest(request_id), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("could not queue the abort of %s: the engine is not connected", request_id)
-
-    def is_healthy(self) -> bool:
-        return self.health()["status"] == "ok"
 
     def health(self) -> dict:
         now = time.time()

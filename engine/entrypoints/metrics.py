@@ -5,18 +5,19 @@ Owns: the metric definitions (every name starts with ``fdserve:``, every series 
 one process do not collide), the per-request recorder the request path feeds (prompt and
 generation tokens, finish reason, TTFT, inter-token latency, time per output token, end-to-end
 latency), the ASGI middleware counting HTTP requests by endpoint and status code, and the
-scrape-time collection of engine-side state:
+scrape-time collection of engine-side state, all of it read through the engine client
+(``EngineClient`` / ``DPRouter``, see ``engine_client`` for the one path):
 
 - scheduler gauges and counters from the engine's ``ENGINE_STATS`` shared memory, read by name
   (fields appended later are tolerated; ``worker_restarts`` is 0 while the engine lacks it);
 - engine process restarts per DP rank (``fdserve:engine_restarts{dp_rank=...}``), counted by the
   API server's supervisor (the engine's own counters restart from 0 with a new engine process);
 - prefix-cache counters (hit tokens per tier, swap / write-back / storage miss and error counts)
-  from the engine's ``cache_stats`` control command, bounded by ``FD_METRICS_ENGINE_TIMEOUT``: a
+  from the client's ``cache_stats`` (a control command), bounded by ``FD_METRICS_ENGINE_TIMEOUT``: a
   slow or dead engine never hangs ``/metrics``, the last values received are served instead
   (counters must not drop back to 0) and ``fdserve:engine_query_failures_total`` counts the misses;
-- KV-cache lock wait / hold seconds and acquisitions from the lock's shared record, when
-  ``FD_USE_KVCACHE_LOCK`` is on (the handle is attached lazily, with role ``metrics``).
+- KV-cache lock wait / hold seconds and acquisitions of every DP rank (label ``dp_rank``) from
+  the client's ``kvcache_lock_stats``, when ``FD_USE_KVCACHE_LOCK`` is on.
 
 ``/metrics`` is not behind the API key (like vLLM): it exposes counters, never request content.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,9 +34,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import envs
-
-if TYPE_CHECKING:
-    from inter_communicator.kvcache_lock import KVCacheLock
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,9 @@ class EngineView(Protocol):
 
     def engine_stats(self) -> dict[str, int]: ...
 
-    async def control(self, command: str, timeout: float = 30.0) -> dict: ...
+    async def cache_stats(self, timeout: float = ...) -> dict[str, Any]: ...
+
+    def kvcache_lock_stats(self) -> dict[int, dict[str, Any] | None]: ...
 
 
 def endpoint_label(path: str) -> str:
@@ -157,8 +157,7 @@ class RequestRecorder:
 class ServerMetrics:
     """Every metric of one app, and the scrape (``render``)."""
 
-    def __init__(self, model_name: str, engine: EngineView, instance_id: str | None = None, dp_rank: int = 0,
-                 lock_enabled: bool | None = None, engine_timeout: float | None = None) -> None:
+    def __init__(self, model_name: str, engine: EngineView, engine_timeout: float | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -188,8 +187,7 @@ class ServerMetrics:
         self.e2e_latency = histogram("e2e_request_latency_seconds",
                                      "Seconds from request arrival until the last token (or the early end).",
                                      E2E_BUCKETS)
-        self.engine_state = EngineStateCollector(model_name, engine, instance_id, dp_rank, lock_enabled,
-                                                 engine_timeout)
+        self.engine_state = EngineStateCollector(model_name, engine, engine_timeout)
         self.registry.register(self.engine_state)
 
     def start_request(self, endpoint: str, num_prompt_tokens: int, started: float) -> RequestRecorder:
@@ -207,9 +205,6 @@ class ServerMetrics:
         await self.engine_state.refresh()
         return generate_latest(self.registry)
 
-    def close(self) -> None:
-        self.engine_state.close()
-
 
 class EngineStateCollector:
     """A custom collector: engine gauges, prefix-cache and lock counters, refreshed per scrape.
@@ -218,13 +213,9 @@ class EngineStateCollector:
     ``collect`` (sync, called by the registry) only reads shared memory and the last replies.
     """
 
-    def __init__(self, model_name: str, engine: EngineView, instance_id: str | None, dp_rank: int,
-                 lock_enabled: bool | None, engine_timeout: float | None) -> None:
+    def __init__(self, model_name: str, engine: EngineView, engine_timeout: float | None) -> None:
         self._model_name = model_name
         self._engine = engine
-        self._instance_id = instance_id
-        self._dp_rank = dp_rank
-        self._lock_enabled = envs.FD_USE_KVCACHE_LOCK if lock_enabled is None else bool(lock_enabled)
         self._timeout = envs.FD_METRICS_ENGINE_TIMEOUT if engine_timeout is None else float(engine_timeout)
         if not self._timeout > 0:
             raise ValueError(f"the metrics engine timeout must be positive, got {self._timeout}")
@@ -232,14 +223,12 @@ class EngineStateCollector:
         self._cache_query: asyncio.Future | None = None
         self._engine_query_failures = 0
         self._engine_query_failing = False
-        self._lock: KVCacheLock | None = None
-        self._lock_attach_logged = False
 
     async def refresh(self) -> None:
         """Fetch ``cache_stats`` from the engine; on failure keep the previous values."""
         # Concurrent scrapes share one in-flight query instead of piling commands onto the engine.
         if self._cache_query is None or self._cache_query.done():
-            self._cache_query = asyncio.ensure_future(self._engine.control("cache_stats", timeout=self._timeout))
+            self._cache_query = asyncio.ensure_future(self._engine.cache_stats(timeout=self._timeout))
             self._cache_query.add_done_callback(_retrieve_outcome)
         try:
             reply = await asyncio.shield(self._cache_query)
@@ -321,51 +310,46 @@ class EngineStateCollector:
             yield self._gauge(name, doc, stats.get(key, 0))
 
     def _lock_metrics(self) -> Iterable[Metric]:
-        lock = self._attached_lock()
-        yield self._gauge("kvcache_lock_enabled", "1 if FD_USE_KVCACHE_LOCK is on and the lock is attached.",
-                          1 if lock is not None else 0)
-        if lock is None:
-            return
         try:
-            stats = lock.stats()
-        except Exception:
+            by_rank = self._engine.kvcache_lock_stats()
+        except Exception:  # the scrape must still answer with what it has
             logger.exception("metrics: could not read the kvcache lock stats")
+            by_rank = {}
+        attached = {rank: stats for rank, stats in by_rank.items() if stats is not None}
+        labels = ["model_name", "dp_rank"]
+
+        def family(kind: type, name: str, doc: str, key: str, scale: float = 1.0) -> Metric:
+            metric = kind(PREFIX + name, doc, labels=labels)
+            for rank, stats in sorted(attached.items()):
+                metric.add_metric([self._model_name, str(rank)], stats[key] * scale)
+            return metric
+
+        enabled = GaugeMetricFamily(PREFIX + "kvcache_lock_enabled",
+                                    "1 if FD_USE_KVCACHE_LOCK is on and the DP rank's lock is attached.",
+                                    labels=labels)
+        for rank, stats in sorted(by_rank.items()):
+            enabled.add_metric([self._model_name, str(rank)], 0 if stats is None else 1)
+        yield enabled
+        if not attached:
             return
-        yield self._counter("kvcache_lock_acquisitions", "Acquisitions of the KV-cache lock.", stats["acquisitions"])
-        yield self._counter("kvcache_lock_contended", "Acquisitions that had to wait.", stats["contended"])
-        yield self._counter("kvcache_lock_wait_seconds", "Seconds spent waiting for the KV-cache lock.",
-                            stats["wait_ns_total"] * _NS)
-        yield self._counter("kvcache_lock_hold_seconds", "Seconds the KV-cache lock was held.",
-                            stats["hold_ns_total"] * _NS)
-        yield self._counter("kvcache_lock_recoveries", "Times the lock was recovered from a dead holder.",
-                            stats["recoveries"])
-        yield self._gauge("kvcache_lock_max_wait_seconds", "Longest wait for the KV-cache lock.",
-                          stats["max_wait_ns"] * _NS)
-        yield self._gauge("kvcache_lock_max_hold_seconds", "Longest hold of the KV-cache lock.",
-                          stats["max_hold_ns"] * _NS)
-        yield self._gauge("kvcache_lock_held", "1 while some process holds the KV-cache lock.",
-                          1 if stats["held"] else 0)
-
-    def _attached_lock(self) -> KVCacheLock | None:
-        if not self._lock_enabled or self._instance_id is None:
-            return None
-        if self._lock is None:
-            from inter_communicator.kvcache_lock import KVCacheLock
-
-            try:
-                self._lock = KVCacheLock.attach(self._instance_id, self._dp_rank, role="metrics")
-            except (FileNotFoundError, ValueError, OSError) as exc:
-                # Retried on the next scrape; logged once so a scraper does not flood the log.
-                if not self._lock_attach_logged:
-                    logger.warning("metrics: cannot attach the kvcache lock yet: %s", exc)
-                    self._lock_attach_logged = True
-                return None
-        return self._lock
-
-    def close(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        yield family(CounterMetricFamily, "kvcache_lock_acquisitions", "Acquisitions of the KV-cache lock.",
+                     "acquisitions")
+        yield family(CounterMetricFamily, "kvcache_lock_contended", "Acquisitions that had to wait.", "contended")
+        yield family(CounterMetricFamily, "kvcache_lock_wait_seconds", "Seconds spent waiting for the KV-cache lock.",
+                     "wait_ns_total", _NS)
+        yield family(CounterMetricFamily, "kvcache_lock_hold_seconds", "Seconds the KV-cache lock was held.",
+                     "hold_ns_total", _NS)
+        yield family(CounterMetricFamily, "kvcache_lock_recoveries",
+                     "Times the lock was recovered from a dead holder.", "recoveries")
+        yield family(GaugeMetricFamily, "kvcache_lock_max_wait_seconds", "Longest wait for the KV-cache lock.",
+                     "max_wait_ns", _NS)
+        yield family(GaugeMetricFamily, "kvcache_lock_max_hold_seconds", "Longest hold of the KV-cache lock.",
+                     "max_hold_ns", _NS)
+        held = GaugeMetricFamily(PREFIX + "kvcache_lock_held", "1 while some process holds the KV-cache lock.",
+                                 labels=labels)
+        for rank, stats in sorted(attached.items()):
+            held.add_metric([self._model_name, str(rank)], 1 if stats["held"] else 0)
+        yield held
 
 
 def _retrieve_outcome(task: asyncio.Future) -> None:

@@ -43,7 +43,9 @@ _FLOAT32_BYTES = 4
 
 
 @dataclass
-class _LayerWeights:
+class LayerWeights:
+    """One decoder layer's weights, laid out for the forward pass (the MoE model reuses it)."""
+
     input_norm: paddle.Tensor  # [hidden]
     qkv: paddle.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
     qkv_bias: paddle.Tensor | None
@@ -71,7 +73,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self.scale = config.head_dim ** -0.5
         self._q_width = self.num_heads * self.head_dim
         self._qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
-        self._layers: list[_LayerWeights] = []
+        self._layers: list[LayerWeights] = []
         self._embed: paddle.Tensor | None = None
         self._final_norm: paddle.Tensor | None = None
         self._lm_head: paddle.Tensor | None = None  # [hidden, vocab (+ zero columns, see _pad_columns)]
@@ -93,7 +95,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         """Whether ``load_weights`` uses the checkpoint tensor ``name`` (the loader skips the others)."""
         return True
 
-    def layer_weights(self, get: WeightGetter, prefix: str, with_mlp: bool) -> _LayerWeights:
+    def layer_weights(self, get: WeightGetter, prefix: str, with_mlp: bool) -> LayerWeights:
         """One decoder layer's attention (and, if ``with_mlp``, dense MLP) weights under ``prefix``."""
         config = self.config
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -108,7 +110,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         if with_mlp:
             gate_up, down = _padded_mlp(get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight"),
                                         get(mlp + "down_proj.weight"))
-        return _LayerWeights(
+        return LayerWeights(
             input_norm=to_weight(get(prefix + "input_layernorm.weight")),
             # Transposed once here so every step runs plain x @ W.
             qkv=to_weight(qkv.T),
@@ -168,7 +170,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
     def begin_forward(self, num_tokens: int) -> None:
         """Hook run once per forward before the first layer (expert parallelism announces its batch here)."""
 
-    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
+    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
         """The MLP of layer ``layer_index`` on normed hidden states [T, hidden]."""
         return paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
 
@@ -200,7 +202,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
     def _attention(
         self,
         hidden: paddle.Tensor,
-        layer: _LayerWeights,
+        layer: LayerWeights,
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         k_cache: paddle.Tensor,

@@ -45,7 +45,7 @@ import paddle
 import paddle.nn.functional as F
 
 from config.model_config import ModelConfig
-from worker.models.llama import LlamaForCausalLM, WeightGetter, _LayerWeights, to_weight, weight_getter
+from worker.models.llama import LlamaForCausalLM, WeightGetter, LayerWeights, to_weight, weight_getter
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         if self._exchanges_tokens:
             self.ep.begin_forward(num_tokens)
 
-    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
+    def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
         block = self._sparse[layer_index]
         return super().mlp(layer_index, hidden, layer) if block is None else self.sparse_moe(hidden, block)
 
