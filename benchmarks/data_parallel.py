@@ -34,7 +34,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# The server lifecycle (process group, instance id, clean stop) is shared with the load test.
+# The server lifecycle (process group, instance id, clean stop) is harness.server.ServerProcess, through the
+# load test's subclass, which adds the stop report both benchmarks write into their JSON.
 from load_test import ROOT, Server, process_tree, raise_interrupt  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def measure(setup: str, args: argparse.Namespace) -> dict:
     server = Server(["--max-num-seqs", str(args.concurrency), *SETUPS[setup]])
     run: dict = {"setup": setup, "server_args": SETUPS[setup], "load_average_1m_before": os.getloadavg()[0]}
     try:
-        server.start()
+        server.launch()
         health = wait_healthy(server, args.start_timeout)
         run["data_parallel_size"] = health.get("data_parallel_size", 1)
         if args.warmup:
@@ -122,7 +123,7 @@ def measure(setup: str, args: argparse.Namespace) -> dict:
         logger.error("%s: run failed: %s", setup, exc)
         run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     finally:
-        run["shutdown"] = server.stop(args.stop_timeout)
+        run["shutdown"] = server.stop_and_report(args.stop_timeout)
     if run.get("error") or run.get("failed"):
         run["server_log"] = str(server.log_path)
     else:

@@ -30,28 +30,22 @@ Prints JSON to stdout and writes it to ``--out`` if given. Exit code: 0 when eve
 every check passed (targets missed are reported in the JSON, not an error), 1 when a check or
 request failed, 2 when a server could not be started, 130 when interrupted (SIGINT/SIGTERM).
 A SIGKILLed benchmark cannot clean up: its servers still get SIGTERM from the kernel (parent-death
-signal) and remove their /dev/shm names, but /tmp/fdserve-kvbench-* directories stay behind.
+signal) and remove their /dev/shm names, but /tmp/fdserve-kvb* directories stay behind.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
 import os
 import random
-import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -65,6 +59,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 import serving as serving_bench  # noqa: E402  (benchmarks/serving.py: the load generator)
+from harness.server import ServerProcess  # noqa: E402  (needs REPO_ROOT on sys.path)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +73,6 @@ TTFT_TARGETS = {"device_hit_over_cold": 0.10, "storage_hit_over_cold": 0.25}
 LOCK_TARGET_ON_OVER_OFF = 0.99
 MIN_LOCK_ROUNDS = 2  # off+on pairs always run, whatever the time budget
 SUFFIX_LEN = 3
-PR_SET_PDEATHSIG = 1
 
 
 class BenchmarkError(RuntimeError):
@@ -93,107 +87,36 @@ class ServerStartError(RuntimeError):
 # Servers
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Server(ServerProcess):
+    """One ``launch.py`` with a unique instance id, a temporary storage dir and log; a context manager.
 
-
-def _prepare_server_child() -> None:
-    """In the child between fork and exec (no Python-level state is touched beyond signals).
-
-    A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across
-    exec: launch.py would then never see the SIGINT that stops it. And if this benchmark dies
-    (even by SIGKILL), the kernel sends launch.py SIGTERM, which it handles from its first line on.
+    The lifecycle (process group, parent-death signal, stop, /dev/shm sweep into ``leftovers``, removal of the
+    temporary dir) is ``harness.server.ServerProcess``; this adds the label and the JSON helpers.
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-class Server:
-    """One ``launch.py`` with a unique instance id, a temporary storage dir and log; a context manager."""
 
     def __init__(self, server_args: list[str], lock: bool, label: str) -> None:
-        self.port = free_port()
-        self.instance_id = f"kvb{uuid.uuid4().hex[:8]}"
-        self.label = label
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"fdserve-kvbench-{self.instance_id}-"))
-        self.storage_dir = self.workdir / "storage"
-        self.log_path = self.workdir / "server.log"
-        self.args = [*server_args, "--kvcache-storage-backend", "file",
-                     "--file-backend-storage-dir", str(self.storage_dir)]
         # The child's environment is assembled here; the server reads it through envs.py.
-        self.env = {**os.environ, "FD_INSTANCE_ID": self.instance_id, "FD_USE_KVCACHE_LOCK": "1" if lock else "0"}
-        self.proc: subprocess.Popen | None = None
-        self.shm_leftovers: list[str] = []
+        super().__init__(*server_args, env={"FD_USE_KVCACHE_LOCK": "1" if lock else "0"}, id_prefix="kvb",
+                         temp_storage=True, die_with_parent=True)
+        self.label = label
 
-    def __enter__(self) -> "Server":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def start(self) -> None:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(REPO_ROOT / "launch.py"), "--port", str(self.port), *self.args],
-                cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_prepare_server_child,
-            )
+    def start(self, timeout: float = START_TIMEOUT_S) -> "Server":
+        self.launch()
         logger.info("%s: starting server pid %d on port %d (instance %s)", self.label, self.proc.pid, self.port,
                     self.instance_id)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"{self.label}: server exited with {self.proc.returncode} during start-up:\n"
-                                       f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:  # URLError and connection errors: not listening yet
-                time.sleep(0.5)
-        raise ServerStartError(f"{self.label}: server not healthy after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        try:
+            self.wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise ServerStartError(f"{self.label}: {exc}") from exc
+        return self
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return super().log_tail(lines)
 
-    def stop(self) -> None:
-        """SIGINT launch.py (it stops its children and unlinks its names); SIGKILL the group if it hangs."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s: server did not stop within %.0f s of SIGINT; killing its process group",
-                               self.label, STOP_TIMEOUT_S)
-        # Children of launch.py are in its group; kill whatever is left of it even after a clean exit.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # the whole group is gone already: the normal case
-        if self.proc.poll() is None:
-            self.proc.wait(5)
-
-    def close(self) -> None:
-        try:
-            self.stop()
-        finally:
-            self.shm_leftovers = remove_shm_leftovers(self.instance_id)
-            shutil.rmtree(self.workdir, ignore_errors=True)
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        super().close(timeout)
+        for name in self.leftovers:
+            logger.error("server of instance %s left /dev/shm/%s behind; it was removed", self.instance_id, name)
 
     # --- HTTP helpers ---------------------------------------------------------------------
 
@@ -211,19 +134,6 @@ class Server:
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:300].decode(errors="replace")
             raise BenchmarkError(f"{self.label}: POST {path} answered HTTP {exc.code}: {detail}") from exc
-
-
-def remove_shm_leftovers(instance_id: str) -> list[str]:
-    """Names of ``instance_id`` still in /dev/shm after the server stopped; they are unlinked (a server bug)."""
-    prefix = f"fd.{instance_id}."
-    leftovers = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix) or n.startswith("sem." + prefix))
-    for name in leftovers:
-        logger.error("server of instance %s left /dev/shm/%s behind; removing it", instance_id, name)
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except FileNotFoundError:
-            continue  # removed concurrently
-    return leftovers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +222,7 @@ def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
                         result["cold_s"], result["device_hit_s"], result["storage_hit_s"])
             reps.append(result)
         final_stats = server.get_json("/v1/cache/stats")
-    leftovers = server.shm_leftovers
+    leftovers = server.leftovers
     if leftovers:
         raise BenchmarkError(f"ttft server left /dev/shm entries behind: {leftovers}")
     return summarize_ttft(args, server_args, reps, final_stats, full_hit)
@@ -438,8 +348,8 @@ def lock_run(args: argparse.Namespace, lock: bool, index: int, prompts: list[lis
             lock_after = stats_after.get("kvcache_lock") or reader.read()
         finally:
             reader.close()
-    if server.shm_leftovers:
-        raise BenchmarkError(f"{label}: server left /dev/shm entries behind: {server.shm_leftovers}")
+    if server.leftovers:
+        raise BenchmarkError(f"{label}: server left /dev/shm entries behind: {server.leftovers}")
     check_load(label, report)
     window = {key: stats_after[key] - stats_before[key] for key in
               ("swap_out_blocks", "write_back_blocks", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens",

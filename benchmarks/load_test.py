@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import logging
 import os
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +48,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from harness.reference import expected_prefix, load_reference  # noqa: E402  (needs ROOT on sys.path)
+from harness.server import ServerProcess, child_pids, shm_names  # noqa: E402
 from serving import SSEStream, stream_error  # noqa: E402  (benchmarks/serving.py, beside this file)
 
 logger = logging.getLogger(__name__)
@@ -292,12 +290,6 @@ def summarize_load(plan: list[PlannedRequest], outcomes: list[Outcome | None], r
 
 # ------------------------------------------------------------------------------------------- server
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def read_proc_status(pid: int) -> dict[str, int] | None:
     """VmRSS / RssAnon / RssFile / RssShmem of ``pid`` in kB; None if it is gone."""
     wanted = {"VmRSS": "rss_kb", "RssAnon": "anon_kb", "RssFile": "file_kb", "RssShmem": "shmem_kb"}
@@ -314,17 +306,6 @@ def read_proc_status(pid: int) -> dict[str, int] | None:
         return None  # a zombie has no memory lines
     values["private_kb"] = values["rss_kb"] - values.get("shmem_kb", 0)
     return values
-
-
-def child_pids(pid: int) -> list[int]:
-    # A child started from any thread is listed under that thread, so read every task's list.
-    children = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            children += [int(c) for c in Path(path).read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread ended while we looked
-    return children
 
 
 def process_tree(root_pid: int) -> list[tuple[int, int]]:
@@ -345,27 +326,18 @@ def command_line(pid: int) -> str:
         return ""
 
 
-class Server:
-    """``launch.py`` in its own process group with a unique instance id; stopped and swept on every path."""
+class Server(ServerProcess):
+    """``launch.py`` in its own process group with a unique instance id; stopped and swept on every path.
+
+    The lifecycle is ``harness.server.ServerProcess``; this adds the per-process memory figures and a stop that
+    reports how it went (``stop_and_report``).
+    """
 
     def __init__(self, extra_args: list[str]) -> None:
-        self.port = free_port()
-        self.instance_id = f"lt{uuid.uuid4().hex[:10]}"
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.gettempdir()) / f"fdserve-load-test-{self.instance_id}.log"
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
+        instance_id = f"lt{uuid.uuid4().hex[:10]}"
+        super().__init__(*extra_args, instance_id=instance_id, die_with_parent=True,
+                         log_path=Path(tempfile.gettempdir()) / f"fdserve-load-test-{instance_id}.log")
         self.known_pids: set[int] = set()
-
-    def start(self) -> None:
-        env = {**os.environ, "FD_INSTANCE_ID": self.instance_id}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(self.port),
-                                          *self.extra_args], cwd=ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def exited(self) -> bool:
-        return self.proc is None or self.proc.poll() is not None
 
     def processes(self, worker_pids: set[int]) -> dict[int, dict]:
         """Every live server process with its role and memory figures."""
@@ -389,14 +361,10 @@ class Server:
         self.known_pids |= set(result)
         return result
 
-    def shm_entries(self) -> list[str]:
-        prefix = f"fd.{self.instance_id}."
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix) or n.startswith("sem." + prefix))
-
     def shm_size_kb(self) -> int:
         """Size of this instance's shared-memory segments (the ceiling of the RssShmem its processes can reach)."""
         total = 0
-        for name in self.shm_entries():
+        for name in shm_names(self.instance_id):
             try:
                 total += os.stat(os.path.join("/dev/shm", name)).st_size
             except FileNotFoundError:
@@ -406,38 +374,27 @@ class Server:
     def ipc_dir(self) -> Path:
         return Path(tempfile.gettempdir()) / f"fd.{self.instance_id}.ipc"
 
-    def stop(self, timeout_s: float) -> dict:
+    def stop_and_report(self, timeout_s: float) -> dict:
         """SIGINT, wait up to ``timeout_s``, then SIGKILL the group; remove and report anything left behind."""
         if self.proc is None:
             return {"started": False}
         started = time.monotonic()
-        graceful = False
         if self.proc.poll() is None:
             try:
                 self.known_pids |= {pid for pid, _ in process_tree(self.proc.pid)}
             except OSError as exc:
                 logger.warning("could not list the server's processes before stopping it: %s", exc)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-                graceful = True
-            except subprocess.TimeoutExpired:
-                logger.error("launch.py did not exit %.0f s after SIGINT; killing its process group", timeout_s)
-        # Always: a child that outlived launch.py is still in the group.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # the whole group is already gone, which is the normal case
+        self.graceful = False
+        self.stop(signal.SIGINT, timeout_s)
+        self.kill_group()  # always: a child that outlived launch.py is still in the group
         self.proc.wait()
         stop_s = time.monotonic() - started
         leftover_processes = self._wait_processes_gone(PROCESS_EXIT_GRACE_S)
-        leftovers = self.shm_entries()
-        for name in leftovers:
-            os.unlink(os.path.join("/dev/shm", name))
+        leftovers = self.sweep()
         ipc_left = self.ipc_dir().exists()
         if ipc_left:
             shutil.rmtree(self.ipc_dir(), ignore_errors=True)
-        return {"started": True, "graceful": graceful, "exit_code": self.proc.returncode,
+        return {"started": True, "graceful": bool(self.graceful), "exit_code": self.proc.returncode,
                 "stop_s": round(stop_s, 3), "shm_leftovers": leftovers, "ipc_dir_left": ipc_left,
                 "processes_left": leftover_processes}
 
@@ -456,16 +413,6 @@ class Server:
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.1)
-
-    def remove_log(self) -> None:
-        """Drop the server log of a run that went well (a failed run keeps it for the report's reader)."""
-        self.log_path.unlink(missing_ok=True)
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
 
 
 # ---------------------------------------------------------------------------------------- test body
@@ -697,7 +644,7 @@ def run(args: argparse.Namespace) -> dict:
                     "server_log": str(server.log_path), "durations_s": {}, "rss_kb": {}}
     started = time.monotonic()
     try:
-        server.start()
+        server.launch()
         asyncio.run(asyncio.wait_for(exercise(server, args, reference, report), args.total_timeout))
     except (asyncio.TimeoutError, TimeoutError) as exc:
         report["timed_out"] = True
@@ -708,7 +655,7 @@ def run(args: argparse.Namespace) -> dict:
         logger.exception("load test aborted")
         report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     finally:
-        report["shutdown"] = server.stop(args.stop_timeout)
+        report["shutdown"] = server.stop_and_report(args.stop_timeout)
         report["durations_s"]["total"] = round(time.monotonic() - started, 3)
     for phase in ("warmup", "load"):
         if isinstance(report.get(phase), dict) and "duration_s" in report[phase]:

@@ -12,37 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from harness.server import ServerProcess  # noqa: E402  (needs ROOT on sys.path)
 
 
 def run_json(cmd: list[str]) -> dict:
@@ -52,24 +30,17 @@ def run_json(cmd: list[str]) -> dict:
 
 
 def serving(args: argparse.Namespace) -> dict:
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--port", str(port),
-                               "--max-num-seqs", str(max(args.concurrency, 1))],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = ServerProcess("--max-num-seqs", str(max(args.concurrency, 1)), die_with_parent=True)
     try:
-        wait_healthy(port, server)
-        return run_json([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--port", str(port),
-                         "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                         "--warmup", "2"])
+        server.start(timeout=300.0)
+        result = run_json([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--port", str(server.port),
+                           "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
+                           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                           "--warmup", "2"])
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        server.close(timeout=20.0)
+    server.remove_log()  # only after success: a failed run keeps its log for whoever investigates
+    return result
 
 
 def raw_forward(args: argparse.Namespace) -> dict:

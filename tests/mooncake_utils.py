@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from harness.server import free_port
+
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 15.0
@@ -41,12 +43,6 @@ def master_binary() -> Path:
     if not os.access(binary, os.X_OK):
         raise RuntimeError(f"{binary} is missing or not executable")
     return binary
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _accepts_connections(port: int) -> bool:

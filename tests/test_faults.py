@@ -84,7 +84,7 @@ def test_worker_sigkill_fails_in_flight_requests_and_restarts():
         assert health(server)["scheduler"]["worker_restarts"] == 1
         assert_reference_output(server)
         assert health(server)["scheduler"]["kv_blocks_used"] == 0
-    assert shm_names(server.instance_id) == []
+    assert server.leftovers == [], "the server left shared-memory names for close() to sweep"
 
 
 def test_cache_transfer_sigkill_restarts_and_outputs_stay_correct(tmp_path):
@@ -100,7 +100,7 @@ def test_cache_transfer_sigkill_restarts_and_outputs_stay_correct(tmp_path):
         httpx.post(server.base_url + "/v1/cache/reset", timeout=30)
         assert_reference_output(server)  # reloaded from storage through the new process
         assert health(server)["cache_transfer"][0]["pid"] != transfer_pid
-    assert shm_names(server.instance_id) == []
+    assert server.leftovers == [], "the server left shared-memory names for close() to sweep"
 
 
 def _hold_lock_forever(instance_id: str, ready: multiprocessing.Event) -> None:

@@ -79,6 +79,7 @@ def _child_attach_and_write(name: str, shape: tuple[int, ...]) -> None:
     shared.close()
 
 
+@pytest.mark.integration
 def test_shared_array_round_trip_across_processes(instance_id: str) -> None:
     name = ipc_name(instance_id, "roundtrip")
     shape = (4, 1000)
@@ -204,6 +205,7 @@ def _child_bump_signal(instance_id: str) -> None:
     sig.close()
 
 
+@pytest.mark.integration
 def test_ipc_signal_round_trip_across_processes(instance_id: str) -> None:
     sig = IPCSignal("step", np.array([5, 6, 7], dtype=np.int64), instance_id, dp_rank=2, create=True)
     try:
@@ -232,6 +234,7 @@ def test_ipc_signal_attach_with_other_dtype_fails(instance_id: str) -> None:
 # --- process lifetime --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_process_alive_tracks_pid_and_start_time() -> None:
     me = os.getpid()
     start = pid_start_time(me)
@@ -247,6 +250,7 @@ def test_process_alive_tracks_pid_and_start_time() -> None:
     assert not process_alive(-1, None)
 
 
+@pytest.mark.integration
 def test_process_alive_false_for_zombie() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
@@ -276,6 +280,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["pdeathsig", "watcher"])
 def test_grandchild_exits_when_its_parent_is_killed(mode: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -310,6 +315,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.integration
 def test_first_signal_runs_callback_second_kills() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     child = subprocess.Popen([sys.executable, "-c", SHUTDOWN_CHILD], stdout=subprocess.PIPE, env=env, text=True)
@@ -341,6 +347,7 @@ STUCK_SHUTDOWN = """
 """
 
 
+@pytest.mark.integration
 def test_shutdown_deadline_ends_a_stuck_process_and_unlinks_its_segments(instance_id: str) -> None:
     name = ipc_name(instance_id, "stuck")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))

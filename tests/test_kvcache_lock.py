@@ -191,6 +191,7 @@ def run_counters(iid: str, procs: list, num_procs: int, iterations: int, enabled
         return int(counter.array[0])
 
 
+@pytest.mark.integration
 def test_hold_excludes_other_processes(instance_id: str, procs: list) -> None:
     lock = KVCacheLock.create(instance_id, 0, role="test")
     num_procs, iterations = 3, 40
@@ -203,6 +204,7 @@ def test_hold_excludes_other_processes(instance_id: str, procs: list) -> None:
     assert stats["max_wait_ns"] > 0 and stats["recoveries"] == 0
 
 
+@pytest.mark.integration
 def test_same_workload_without_the_lock_loses_updates(instance_id: str, procs: list) -> None:
     """The counter test can fail: with the null lock, concurrent read-sleep-write loses increments."""
     num_procs, iterations = 2, 40
@@ -243,6 +245,7 @@ def test_kvcache_lock_for_follows_the_environment(instance_id: str, monkeypatch:
 # --- release on every exit path -----------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_exception_inside_hold_releases_and_propagates(instance_id: str, procs: list) -> None:
     lock = KVCacheLock.create(instance_id, 0, role="test")
     with pytest.raises(ZeroDivisionError):
@@ -253,6 +256,7 @@ def test_exception_inside_hold_releases_and_propagates(instance_id: str, procs: 
     assert lock.stats()["acquisitions"] == 2
 
 
+@pytest.mark.integration
 def test_hold_timeout_raises_while_another_process_holds(instance_id: str, procs: list) -> None:
     lock = KVCacheLock.create(instance_id, 0, role="test", timeout=5.0)
     holding = SPAWN.Event()
@@ -272,6 +276,7 @@ def test_hold_timeout_raises_while_another_process_holds(instance_id: str, procs
 # --- misuse -------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_misuse_raises(instance_id: str, procs: list) -> None:
     lock = KVCacheLock.create(instance_id, 0, role="test", timeout=1.0)
     with pytest.raises(KVCacheLockError, match="does not hold"):
@@ -344,6 +349,7 @@ MISUSE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_misuse_raises_under_python_dash_o(instance_id: str) -> None:
     result = subprocess.run([sys.executable, "-O", "-c", MISUSE_SCRIPT, str(REPO_ROOT), instance_id],
                             capture_output=True, text=True, timeout=JOIN_SECONDS)
@@ -355,6 +361,7 @@ def test_misuse_raises_under_python_dash_o(instance_id: str) -> None:
 # --- dead holders -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_killed_holder_is_recovered_by_a_waiter(instance_id: str, procs: list,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOCK_LOGGER)
@@ -378,6 +385,7 @@ def test_killed_holder_is_recovered_by_a_waiter(instance_id: str, procs: list,
     assert any(f"pid {holder.pid} (worker) is dead" in message for message in warnings), warnings
 
 
+@pytest.mark.integration
 def test_two_waiters_and_a_dead_holder_recover_once(instance_id: str, procs: list) -> None:
     timeout, iterations = 1.5, 30
     lock = KVCacheLock.create(instance_id, 0, role="test", timeout=timeout)
@@ -400,6 +408,7 @@ def test_two_waiters_and_a_dead_holder_recover_once(instance_id: str, procs: lis
     assert stats["acquisitions"] == 1 + 2 * iterations
 
 
+@pytest.mark.integration
 def test_holder_dying_before_recording_itself_is_recovered(instance_id: str, procs: list,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOCK_LOGGER)
@@ -418,6 +427,7 @@ def test_holder_dying_before_recording_itself_is_recovered(instance_id: str, pro
     assert any("no owner recorded" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
+@pytest.mark.integration
 def test_stalled_claimer_hands_its_unit_over(instance_id: str, procs: list) -> None:
     """A live process stuck between sem_wait and its claim while a waiter recovers must not also hold.
 
@@ -442,6 +452,7 @@ def test_stalled_claimer_hands_its_unit_over(instance_id: str, procs: list) -> N
     lock.release()
 
 
+@pytest.mark.integration
 def test_live_slow_holder_is_waited_for_not_robbed(instance_id: str, procs: list,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOCK_LOGGER)
@@ -465,6 +476,7 @@ def test_live_slow_holder_is_waited_for_not_robbed(instance_id: str, procs: list
 # --- observation and cleanup --------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_stats_are_readable_from_another_process(instance_id: str, procs: list) -> None:
     lock = KVCacheLock.create(instance_id, 0, role="test")
     for _ in range(5):
@@ -535,6 +547,7 @@ def only_one_unit(lock: KVCacheLock, iid: str) -> None:
         other.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point", FAULT_POINTS)
 def test_holder_killed_at_each_point_after_prior_holds_is_recovered(instance_id: str, procs: list,
                                                                    point: str) -> None:
@@ -574,6 +587,7 @@ def test_holder_killed_at_each_point_after_prior_holds_is_recovered(instance_id:
     assert lock.stats()["semaphore_value"] == 1
 
 
+@pytest.mark.integration
 def test_frozen_live_holder_is_never_robbed(instance_id: str, procs: list,
                                             caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOCK_LOGGER)
@@ -596,6 +610,7 @@ def test_frozen_live_holder_is_never_robbed(instance_id: str, procs: list,
     assert stats["acquisitions"] == PRIOR_CYCLES + 4
 
 
+@pytest.mark.integration
 def test_waiter_frozen_after_sem_wait_hands_its_unit_over(instance_id: str, procs: list) -> None:
     """A real process stopped between sem_wait and its claim: recovered after 2*T; once it runs
     again it sees the recovery, does not also hold, and gets the lock normally later."""
@@ -635,6 +650,7 @@ def test_waiter_frozen_after_sem_wait_hands_its_unit_over(instance_id: str, proc
 # --- an unreadable /proc ----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_process_utils_refuse_to_guess_without_proc(tmp_path: Path) -> None:
     missing = str(tmp_path / "no-proc")
     me = os.getpid()
@@ -664,6 +680,7 @@ def test_lock_refuses_a_process_that_cannot_read_its_start_time(instance_id: str
         unreadable.chmod(0o700)
 
 
+@pytest.mark.integration
 def test_waiter_losing_proc_never_robs_a_live_holder_but_recovers_a_gone_one(
         instance_id: str, procs: list, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger=LOCK_LOGGER)

@@ -171,16 +171,13 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact():
         assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
 
 
-def test_sigint_stops_everything_quickly_and_leaves_no_shared_memory():
-    srv = ServerProcess().start()
-    try:
-        assert shm_names(srv.instance_id), "the running server should have shared-memory segments"
-        elapsed = srv.stop()
-        assert srv.proc.returncode == 0, srv.log_tail()
-        assert elapsed < 10.0
-        assert shm_names(srv.instance_id) == []
-    finally:
-        srv.kill_group()
+def test_sigint_stops_everything_quickly_and_leaves_no_shared_memory(start_server):
+    srv = start_server()
+    assert shm_names(srv.instance_id), "the running server should have shared-memory segments"
+    elapsed = srv.stop()
+    assert srv.proc.returncode == 0, srv.log_tail()
+    assert elapsed < 10.0
+    assert shm_names(srv.instance_id) == []
 
 
 def _pid_running(pid: int) -> bool:
@@ -210,4 +207,4 @@ def test_sigkill_of_launch_children_exit_and_next_start_sweeps():
         resp = httpx.post(second.base_url + "/v1/completions",
                           json={"prompt": REFERENCE[0]["prompt_ids"], "max_tokens": 4, "temperature": 0})
         assert resp.status_code == 200
-    assert shm_names(first.instance_id) == []
+    assert second.leftovers == [], "the server left shared-memory names for close() to sweep"

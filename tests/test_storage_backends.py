@@ -34,7 +34,7 @@ MOONCAKE_LOCAL_BUFFER_BYTES = 32 << 20
 needs_mooncake = pytest.mark.skipif(not mooncake_importable(),
                                     reason="mooncake is not importable (bash .ci/install_system_deps.sh)")
 
-BACKENDS = ["file", pytest.param("mooncake", marks=needs_mooncake)]
+BACKENDS = ["file", pytest.param("mooncake", marks=[needs_mooncake, pytest.mark.integration])]  # starts a master
 
 
 def random_blocks(count: int, seed: int) -> list[np.ndarray]:
@@ -378,6 +378,7 @@ def test_file_default_directory_comes_from_the_environment(tmp_path: Path, monke
 # ---- Mooncake -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @needs_mooncake
 def test_mooncake_corrupt_object_is_a_counted_miss_and_removed(shared_master: MooncakeMaster) -> None:
     backend = create_storage_backend(mooncake_config(shared_master, "corrupt"))
@@ -413,6 +414,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     return False
 
 
+@pytest.mark.integration
 @needs_mooncake
 def test_mooncake_master_outage_misses_then_reconnects() -> None:
     with mooncake_master() as master:
@@ -449,6 +451,7 @@ def test_mooncake_master_outage_misses_then_reconnects() -> None:
             backend.close()
 
 
+@pytest.mark.integration
 @needs_mooncake
 def test_mooncake_backend_started_before_its_master_connects_later() -> None:
     master = MooncakeMaster()
