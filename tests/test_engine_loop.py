@@ -194,6 +194,7 @@ def test_every_iteration_failing_stops_the_engine(make_harness, monkeypatch):
     assert all(d[-1].finish_reason == "error" for d in done.values())
 
 
+@pytest.mark.integration
 def test_a_cache_transfer_process_without_progress_is_killed(make_harness, monkeypatch):
     monkeypatch.setenv("FD_CACHE_TRANSFER_TIMEOUT", "2")
     harness = make_harness()

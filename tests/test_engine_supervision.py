@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from launch import RestartBudget
-from harness.server import ServerProcess, shm_names
+from harness.server import ServerProcess
 from harness.reference import expected_prefix, load_reference
 
 REFERENCE = load_reference()
@@ -125,7 +125,7 @@ def test_engine_sigkill_fails_in_flight_requests_and_the_engine_is_restarted():
         line = next(l for l in metrics.splitlines() if l.startswith("fdserve:engine_restarts_total{"))
         assert float(line.rsplit(" ", 1)[1]) == 1.0
     assert server.proc.returncode == 0, server.log_tail()
-    assert shm_names(server.instance_id) == []
+    assert server.leftovers == [], "the server left shared-memory names for close() to sweep"
 
 
 @pytest.mark.integration
@@ -154,7 +154,7 @@ def test_data_parallel_engine_sigkill_only_fails_its_rank_and_the_other_rank_kee
         assert after["engine_restarts"] == 1
         assert f"kvcache_tp0.{busy} left by the dead engine" in server.log_path.read_text(errors="replace")
         assert_reference_output(server, REFERENCE[3])
-    assert shm_names(server.instance_id) == []
+    assert server.leftovers == [], "the server left shared-memory names for close() to sweep"
 
 
 def test_restart_budget_allows_five_restarts_per_window_then_refuses():
@@ -218,5 +218,5 @@ def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
         assert status.json()["engine"]["state"] == "down"
     finally:
         replica.stop()
-        sweep_stale(config.instance_id)
-    assert shm_names(config.instance_id) == []
+        leftovers = sweep_stale(config.instance_id)
+    assert leftovers == [], "the stopped replica left shared-memory names behind"

@@ -130,6 +130,7 @@ def tiny(tiny_dir):
 # --------------------------------------------------------------------------- generator
 
 
+@pytest.mark.integration
 def test_same_seed_gives_identical_bytes_and_another_seed_other_weights(tmp_path) -> None:
     first = make_tiny_moe(str(tmp_path / "a"), seed=3, **TINY)
     again = make_tiny_moe(str(tmp_path / "b"), seed=3, **TINY)
