@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import signal
 import threading
 import time
 from typing import Iterator, Sequence
@@ -56,12 +54,7 @@ from inter_communicator.messages import (
     TransferTask,
     WorkerShutdown,
 )
-from inter_communicator.process_utils import (
-    ParentWatcher,
-    ShutdownDeadline,
-    install_shutdown_handlers,
-    set_parent_death_signal,
-)
+from inter_communicator.process_utils import ProcessEntry
 from inter_communicator.shm import SharedArray
 
 logger = logging.getLogger(__name__)
@@ -72,8 +65,6 @@ HEARTBEAT_INTERVAL_S = 0.5
 # touched when used); larger tasks run in chunks of this many blocks. 16 SmolLM2 blocks of 64
 # tokens are 47 MB.
 STAGING_BLOCKS = 16
-# Sent by the kernel when the parent dies; not SIGTERM, see _arm_parent_death.
-PARENT_DEATH_SIGNAL = signal.SIGUSR1
 # Give the engine time to receive the last TransferDone before the socket is dropped at exit.
 DONE_LINGER_MS = 500
 # Seconds between a stop request (signal, dead parent) and a forced exit if clean-up blocks.
@@ -457,43 +448,9 @@ def _create_backend(config: EngineConfig) -> KVStorageBackend:
     return create_storage_backend(StorageConfig(**overrides))
 
 
-def _arm_parent_death(stop_event: threading.Event) -> ParentWatcher:
-    """Stop serving when the parent (the engine) dies, however it dies.
-
-    The kernel sends the parent-death signal at every reparenting: when a multi-threaded parent is
-    killed and its main thread goes first, we are handed to another of its threads and then to init,
-    and get the signal twice (observed here). ``install_shutdown_handlers`` restores the default
-    action after the first SIGTERM, so a second one would kill this process before it unlinks the
-    host pool. A dedicated signal whose handler only sets the stop event can arrive any number of
-    times. The pid comes from multiprocessing, so a parent that died before this point counts too.
-    """
-    def on_parent_death(_signum: int, _frame: object) -> None:
-        if not stop_event.is_set():
-            logger.warning("parent process died; shutting down")
-        stop_event.set()
-
-    signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
-    parent = multiprocessing.parent_process()
-    parent_pid = parent.pid if parent is not None else None
-    set_parent_death_signal(PARENT_DEATH_SIGNAL, parent_pid=parent_pid)
-    watcher = ParentWatcher(callback=stop_event.set, parent_pid=parent_pid)
-    watcher.start()
-    return watcher
-
-
 def run_cache_transfer(config: EngineConfig, tp_rank: int, task_addr: str, done_addr: str) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    setup_logging("cache_transfer", tp_rank)
-    stop_event = threading.Event()
-    install_shutdown_handlers(stop_event.set)
-    ShutdownDeadline(stop_event, SHUTDOWN_GRACE_S).start()
-    watcher = _arm_parent_death(stop_event)
-    manager = None
-    try:
-        manager = CacheTransferManager(config, tp_rank, task_addr, done_addr, stop_event)
+    with ProcessEntry("cache_transfer", tp_rank, grace_s=SHUTDOWN_GRACE_S, setup_logging=setup_logging) as entry:
+        manager = CacheTransferManager(config, tp_rank, task_addr, done_addr, entry.stop_event)
+        entry.cleanup("close the cache transfer manager", manager.close)
         manager.serve()
-    finally:
-        watcher.stop()
-        if manager is not None:
-            manager.close()
-        logger.info("cache transfer process exited")

@@ -8,7 +8,6 @@ and send them back to the API server. Idle, it blocks on its input socket.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -17,30 +16,29 @@ from dataclasses import dataclass
 import zmq
 
 import envs
-from cache_manager.cache_transfer_manager import run_cache_transfer
-from cache_manager.kv_layout import device_cache_segment, host_cache_segment
 from cache_manager.kv_cache_manager import KVCacheManager
-from config.engine_config import CacheConfig
 from cache_manager.transfer_client import CacheTransferClient
-from config.engine_config import EngineConfig
+from config.engine_config import CacheConfig, EngineConfig
 from config.log import setup_logging
 from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
                             ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.supervisor import (MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, EngineFailed, RecoveryHooks, WorkerDied,
+                               WorkerSupervisor)
 from inter_communicator.instance_signals import InstanceSignals
-from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
-from inter_communicator.shm import unlink_segment
-from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
-from worker.worker_process import run_worker
+from inter_communicator.messages import StepBatch, StepResult
+from inter_communicator.process_utils import ProcessEntry
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
-WORKER_START_TIMEOUT_S = 900.0
-RESTART_WINDOW_S = 300.0
-MAX_RESTARTS_PER_WINDOW = 5
-SHUTDOWN_GRACE_S = 4.0
+# Re-exported: launch.py's engine restart budget mirrors the supervisor's.
+__all__ = ["MAX_RESTARTS_PER_WINDOW", "RESTART_WINDOW_S", "Engine", "EngineAddresses", "EngineFailed", "WorkerDied",
+           "run_engine"]
+# From a stop request to a forced exit: covers the supervisor's orderly stop of every child
+# (SHUTDOWN_GRACE_S each, then SIGTERM and SIGKILL waits) with room to spare.
+ENGINE_SHUTDOWN_GRACE_S = 60.0
 # Loop iterations in a row that may fail (each failing its requests) before the engine gives up.
 MAX_CONSECUTIVE_FAILURES = 10
 
@@ -100,19 +98,6 @@ class StepLog:
         self._reset(now)
 
 
-class WorkerDied(RuntimeError):
-    def __init__(self, message: str, role: str) -> None:
-        super().__init__(message)
-        self.role = role  # "worker" | "cache_transfer" | "engine"
-
-
-class EngineFailed(WorkerDied):
-    """The engine's own state is broken (every iteration fails): the process must exit non-zero."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, role="engine")
-
-
 class Engine:
     def __init__(self, config: EngineConfig, addresses: EngineAddresses, stop_event: threading.Event) -> None:
         self.config = config
@@ -144,136 +129,23 @@ class Engine:
         self.control_reply_socket = self._socket(zmq.PUSH, addresses.control_replies)
         self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
         self.result_socket = self._socket(zmq.PULL, addresses.results)
-        self.workers: list[multiprocessing.process.BaseProcess] = []
-        self.cache_transfers: list[multiprocessing.process.BaseProcess] = []
         self.step_log = StepLog()
-        self.stats_restarts = {"worker_restarts": 0, "cache_transfer_restarts": 0}
-        self._restart_times: list[float] = []
         self._consecutive_failures = 0
         self._iteration_failed = False
         self._last_failure = ""
-        self._transfer_timeout = envs.FD_CACHE_TRANSFER_TIMEOUT
         self._fault_update = envs.FD_ENGINE_FAULT_RAISE_IN_UPDATE
+        self.supervisor = WorkerSupervisor(
+            config, addresses, self.signals, stop_event, self.batch_socket,
+            self.transfer.task_socket if self.transfer is not None else None,
+            RecoveryHooks(fail_running=self._fail_running, reset_cache_state=self._reset_cache_state,
+                          publish_stats=self._publish_stats, overdue_transfers=self.cache.overdue_transfers))
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.bind(address)
         return sock
 
-    # ---- workers ---------------------------------------------------------
-
-    def start_workers(self) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        for tp_rank in range(self.config.args.tensor_parallel_size):
-            proc = spawn.Process(target=run_worker, name=f"fdserve-worker-{tp_rank}",
-                                 args=(self.config, tp_rank, self.addresses.batches, self.addresses.results))
-            proc.start()
-            self.signals.worker_pid.value[tp_rank] = proc.pid
-            self.workers.append(proc)
-        self._wait_ready(self.signals.worker_ready.value, "workers")
-        if self.transfer is not None:
-            self._start_cache_transfers(spawn)
-
-    def _start_cache_transfers(self, spawn: multiprocessing.context.BaseContext) -> None:
-        for tp_rank in range(self.config.args.tensor_parallel_size):
-            proc = spawn.Process(target=run_cache_transfer, name=f"fdserve-cache-transfer-{tp_rank}",
-                                 args=(self.config, tp_rank, self.addresses.transfer_tasks,
-                                       self.addresses.transfer_done))
-            proc.start()
-            self.signals.cache_transfer_pid.value[tp_rank] = proc.pid
-            self.cache_transfers.append(proc)
-        self._wait_ready(self.signals.cache_transfer_ready.value, "cache transfer processes")
-
-    def _wait_ready(self, flags, what: str) -> None:
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while not all(flags):
-            self._check_workers_alive()
-            if self.stop_event.is_set():
-                raise InterruptedError("stopped while waiting for workers")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not ready after {WORKER_START_TIMEOUT_S:.0f} s")
-            self.stop_event.wait(0.1)
-        logger.info("%s ready", what)
-
-    def _check_workers_alive(self, roles: tuple[str, ...] = ("worker", "cache_transfer")) -> None:
-        for role, procs in (("worker", self.workers), ("cache_transfer", self.cache_transfers)):
-            if role not in roles:
-                continue
-            for proc in procs:
-                if not proc.is_alive():
-                    raise WorkerDied(f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}", role)
-
-    def _stalled_cache_transfer(self) -> str | None:
-        """Why the cache transfer process counts as hung (alive, making no progress), or None.
-
-        Its heartbeat stands still while it runs a task (see ``_Heartbeat``) and while it is
-        stopped; ``overdue_transfers`` covers every task kind, not only fills.
-        """
-        now = time.time()
-        beats, ready = self.signals.cache_transfer_heartbeat.value, self.signals.cache_transfer_ready.value
-        for rank, proc in enumerate(self.cache_transfers):
-            age = now - float(beats[rank])
-            if ready[rank] and age > self._transfer_timeout and proc.is_alive():
-                return (f"{proc.name} (pid {proc.pid}) made no progress for {age:.0f} s "
-                        f"(FD_CACHE_TRANSFER_TIMEOUT={self._transfer_timeout:g} s)")
-        overdue = self.cache.overdue_transfers()
-        if overdue:
-            return (f"{len(overdue)} KV transfer(s) are past their deadline (the oldest: {overdue[0].kind} task "
-                    f"{overdue[0].task_id})")
-        return None
-
-    def _kill_stalled_cache_transfer(self) -> str | None:
-        """SIGKILL a hung cache transfer process now; returns why, or None if it is progressing.
-
-        Killed at once, even mid-step, because it may hold the KV-cache lock the worker waits
-        for. Its blocks are released later by ``recover``, after the process is reaped.
-        """
-        if not self.cache_transfers:
-            return None
-        reason = self._stalled_cache_transfer()
-        if reason is None:
-            return None
-        for proc in self.cache_transfers:
-            if proc.is_alive():
-                logger.error("%s; killing %s (pid %d)", reason, proc.name, proc.pid)
-                proc.kill()
-        return reason
-
-    # ---- recovery ----------------------------------------------------------
-
-    def recover(self, exc: WorkerDied) -> None:
-        """Restart a dead worker or cache transfer process, failing only what it took down with it.
-
-        A dead worker takes the KV cache memory with it: running requests fail with an
-        error, cached prefixes are forgotten, and the cache transfer process is restarted
-        too (it mapped the old memory). A dead cache transfer process takes the host tier
-        with it: its in-flight copies become cache misses. Raises when restarting is not
-        possible (expert parallelism: the other ranks' collectives cannot be re-joined) or
-        keeps failing.
-        """
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S] + [now]
-        if len(self._restart_times) > MAX_RESTARTS_PER_WINDOW:
-            raise WorkerDied(f"{exc} ({len(self._restart_times)} restarts within {RESTART_WINDOW_S:.0f} s; "
-                             "giving up)", exc.role)
-        if self.config.args.enable_expert_parallel and exc.role == "worker":
-            raise WorkerDied(f"{exc}; an expert-parallel worker cannot be restarted alone", exc.role)
-        logger.error("%s; restarting it", exc)
-        if exc.role == "worker":
-            self._fail_running("the worker process died during this request; please retry")
-            self._stop_processes(self.cache_transfers)
-            self._stop_processes(self.workers)
-            self._reset_cache_state()
-            counter, start = "worker_restarts", self.start_workers
-        else:
-            self._stop_processes(self.cache_transfers)
-            self._reset_cache_state(device_too=False)
-            spawn = multiprocessing.get_context("spawn")
-            counter, start = "cache_transfer_restarts", lambda: self._start_cache_transfers(spawn)
-        self.stats_restarts[counter] += 1
-        # Published before the new process starts: once /health shows it, the count already includes it.
-        self._publish_stats()
-        start()
+    # ---- recovery hooks (the supervisor restarts the processes) -------------
 
     def _fail_running(self, reason: str) -> None:
         self.scheduler.discard_inflight()
@@ -299,51 +171,15 @@ class Engine:
         except Exception:  # the request is failed either way; its blocks may leak, say so
             logger.exception("could not release the blocks of %s", seq.request_id)
 
-    def _reset_cache_state(self, device_too: bool = True) -> None:
+    def _reset_cache_state(self, device_too: bool) -> None:
+        """Forget what the dead cache transfer process (and, if ``device_too``, the worker) held."""
         if self.transfer is not None:
             # Unsent tasks belong to the failed transfers: the new process must not run them.
             self.transfer.discard_backlog()
         self.cache.fail_all_transfers()
         self.cache.drop_host_tier()
-        tp = self.config.args.tensor_parallel_size
-        stale = [host_cache_segment(self.config.instance_id, self.config.dp_rank, r) for r in range(tp)]
-        self.signals.cache_transfer_ready.value[:] = 0
         if device_too:
             self.cache.forget_device_contents()
-            stale += [device_cache_segment(self.config.instance_id, self.config.dp_rank, r) for r in range(tp)]
-            self.signals.worker_ready.value[:] = 0
-        for name in stale:
-            if unlink_segment(name):
-                logger.info("removed %s left by the dead process", name)
-
-    def _stop_processes(self, procs: list) -> None:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5.0)
-            if proc.is_alive():
-                # Its copies may still land: releasing its blocks now could corrupt reused ones.
-                raise EngineFailed(f"{proc.name} (pid {proc.pid}) survived SIGKILL for 5 s")
-        procs.clear()
-
-    def stop_workers(self) -> None:
-        sockets = [self.batch_socket] * len(self.workers)
-        if self.transfer is not None:
-            sockets += [self.transfer.task_socket] * len(self.cache_transfers)
-        for sock in sockets:
-            try:
-                sock.send_pyobj(WorkerShutdown("engine stopping"), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                logger.warning("could not queue a shutdown message; the process will be terminated")
-        for proc in self.workers + self.cache_transfers:
-            proc.join(SHUTDOWN_GRACE_S)
-            if proc.is_alive():
-                logger.warning("worker %s did not stop in %.0f s; terminating", proc.name, SHUTDOWN_GRACE_S)
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
 
     # ---- main loop -------------------------------------------------------
 
@@ -364,7 +200,7 @@ class Engine:
             except EngineFailed:
                 raise
             except WorkerDied as exc:
-                self.recover(exc)
+                self.supervisor.recover(exc)
             except Exception as exc:  # outside the per-stage containment: nothing precise to fail
                 self._contain("serving", exc, [])
 
@@ -447,14 +283,14 @@ class Engine:
         sched, blocks = self.scheduler, self.scheduler.kv_cache
         self.signals.engine_stats.value[:] = (sched.num_running, sched.num_waiting, blocks.num_used_blocks,
                                               blocks.num_blocks, sched.num_preemptions, sched.num_steps,
-                                              self.stats_restarts["worker_restarts"],
-                                              self.stats_restarts["cache_transfer_restarts"])
+                                              self.supervisor.stats_restarts["worker_restarts"],
+                                              self.supervisor.stats_restarts["cache_transfer_restarts"])
 
     def _service_cache(self) -> None:
         if self.transfer is None:
             return
-        self._check_workers_alive(roles=("cache_transfer",))
-        stalled = self._kill_stalled_cache_transfer()
+        self.supervisor.check_alive(roles=("cache_transfer",))
+        stalled = self.supervisor.kill_stalled_cache_transfer()
         if stalled is not None:
             raise WorkerDied(stalled, "cache_transfer")
         try:
@@ -469,7 +305,7 @@ class Engine:
 
     def _receive_requests(self, block: bool) -> None:
         if block and not self._wait_for_input():
-            self._check_workers_alive()
+            self.supervisor.check_alive()
             return
         outputs: list[RequestOutput] = []
         while True:
@@ -557,8 +393,8 @@ class Engine:
             self.signals.engine_heartbeat.value[0] = time.time()
             # A dead or hung cache transfer process is handled once the step is back (_service_cache):
             # restarting it now would schedule a new step while the worker still runs this one.
-            self._check_workers_alive(roles=("worker",))
-            self._kill_stalled_cache_transfer()
+            self.supervisor.check_alive(roles=("worker",))
+            self.supervisor.kill_stalled_cache_transfer()
             if time.monotonic() > deadline:
                 raise WorkerDied(f"worker gave no result for step {batch.step_id} within "
                                  f"FD_WORKER_STEP_TIMEOUT={envs.FD_WORKER_STEP_TIMEOUT:.0f} s", "worker")
@@ -606,14 +442,10 @@ def cache_config(config: EngineConfig) -> CacheConfig:
 
 def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
     """Process entry point (multiprocessing spawn target). Exits non-zero if the engine fails."""
-    set_parent_death_signal()
-    setup_logging("engine", config.dp_rank)
-    stop_event = threading.Event()
     wake_lock = threading.RLock()
     wake: list[zmq.Socket] = []
 
-    def request_stop() -> None:
-        stop_event.set()
+    def wake_loop() -> None:
         # An idle engine blocks up to POLL_MS on its request socket: a no-op message (the abort of
         # an unknown request) wakes it now. Under a lock: the parent watcher is another thread.
         with wake_lock:
@@ -623,27 +455,25 @@ def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
                 except zmq.ZMQError as exc:
                     logger.debug("could not wake the engine loop: %s", exc)
 
-    install_shutdown_handlers(request_stop)
-    ParentWatcher(callback=request_stop).start()
-    engine = Engine(config, addresses, stop_event)
-    with wake_lock:
-        wake.append(engine.context.socket(zmq.PUSH))
-        wake[0].connect(addresses.requests)
-    exit_code = 0
-    try:
-        engine.start_workers()
-        engine.run()
-    except InterruptedError:
-        logger.info("stopped during start-up")
-    except (WorkerDied, TimeoutError) as exc:
-        logger.error("engine cannot continue: %s", exc)
-        engine.fail_all(f"server error: {exc}")
-        exit_code = 1
-    finally:
-        engine.stop_workers()
+    def close_wake() -> None:
         with wake_lock:
             wake.pop().close(linger=0)
-        engine.close()
-        logger.info("engine exited")
-    if exit_code:
-        raise SystemExit(exit_code)
+
+    with ProcessEntry("engine", config.dp_rank, grace_s=ENGINE_SHUTDOWN_GRACE_S, setup_logging=setup_logging,
+                      on_stop=wake_loop) as entry:
+        engine = Engine(config, addresses, entry.stop_event)
+        entry.cleanup("close the engine", engine.close)
+        with wake_lock:
+            wake.append(engine.context.socket(zmq.PUSH))
+            wake[0].connect(addresses.requests)
+        entry.cleanup("close the wake-up socket", close_wake)
+        entry.cleanup("stop the workers", engine.supervisor.stop_workers)
+        try:
+            engine.supervisor.start_workers()
+            engine.run()
+        except InterruptedError:
+            logger.info("stopped during start-up")
+        except (WorkerDied, TimeoutError) as exc:
+            logger.error("engine cannot continue: %s", exc)
+            engine.fail_all(f"server error: {exc}")
+            entry.fail()

@@ -4,7 +4,10 @@ Owns: making a child die with its parent (``set_parent_death_signal`` plus ``Par
 telling a live process from a dead one or a reused pid (``pid_start_time``, ``process_alive``; both
 take the procfs root as a parameter and raise ``ProcUnreadableError`` rather than guess when it
 cannot be read),
-and the SIGINT/SIGTERM shutdown hook (``install_shutdown_handlers``).
+the SIGINT/SIGTERM shutdown hook (``install_shutdown_handlers``), the bounded shutdown
+(``ShutdownDeadline``), and the one entry sequence every fdserve process runs (``ProcessEntry``:
+logging, stop signals, parent death, deadline, clean-up, exit code). The role is a string: this
+module knows no process kind.
 """
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from types import TracebackType
 from typing import Callable
 
 from inter_communicator.shm import unlink_created
@@ -234,3 +239,108 @@ class ShutdownDeadline(threading.Thread):
                      self.grace_s)
         unlink_created()
         os._exit(1)
+
+
+# Exit codes of an fdserve process (what its supervisor sees as the child's exitcode).
+EXIT_CLEAN = 0  # stopped on request (signal, parent death, shutdown message)
+EXIT_FAILURE = 1  # an error ended it, or the shutdown deadline cut its clean-up short
+# An expert-parallel collective failed: the peers are out of step and the whole group must restart.
+EXIT_COLLECTIVE_FAILURE = 3
+
+
+def spawning_parent_pid() -> int:
+    """Pid of the process that started us: multiprocessing's record when spawned by it, else our ppid.
+
+    multiprocessing's pid is fixed at spawn time, so a parent that died before this call counts too.
+    """
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
+
+
+class ProcessEntry:
+    """The start and end of an fdserve process, as a context manager around its body.
+
+    On enter, in order: logging with role and rank (``setup_logging(role, rank)``, passed in so this
+    floor needs no logging policy), the stop handlers (SIGINT/SIGTERM and ``PARENT_DEATH_SIGNAL`` set
+    ``stop_event`` once, see ``install_shutdown_handlers``; installed before the kernel is asked for the
+    parent-death signal, which it sends at once if the parent is already gone), the parent-death signal
+    with the spawning parent's pid, a ``ParentWatcher`` for what the signal misses, and a
+    ``ShutdownDeadline``. On exit: ``stop_event`` is set (arming the deadline, so a clean-up that hangs
+    still ends the process), the clean-ups registered with ``cleanup`` run last-in first-out, and the
+    process ends with ``exit_code``: ``EXIT_CLEAN``, ``EXIT_FAILURE`` if the body raised, or what the
+    body set with ``fail``.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        rank: int = 0,
+        *,
+        grace_s: float,
+        setup_logging: Callable[[str, int], None] | None = None,
+        on_stop: Callable[[], object] | None = None,
+        parent_pid: int | None = None,
+        watch_interval: float = 1.0,
+    ) -> None:
+        self.role = role
+        self.rank = rank
+        self.grace_s = grace_s
+        self.stop_event = threading.Event()
+        self.exit_code = EXIT_CLEAN
+        self._setup_logging = setup_logging
+        self._on_stop = on_stop
+        self._parent_pid = parent_pid
+        self._watch_interval = watch_interval
+        self._cleanups: list[tuple[str, Callable[[], object]]] = []
+        self._watcher: ParentWatcher | None = None
+
+    def request_stop(self) -> None:
+        """Ask the body to stop (signal handlers and the parent watcher call this; any thread may)."""
+        self.stop_event.set()
+        if self._on_stop is not None:
+            self._on_stop()
+
+    def cleanup(self, what: str, fn: Callable[[], object]) -> None:
+        """Run ``fn`` at exit (last registered first); a failing one is logged and the rest still run."""
+        self._cleanups.append((what, fn))
+
+    def fail(self, code: int = EXIT_FAILURE) -> None:
+        """End the process with ``code`` once the body and the clean-ups are done."""
+        if code == EXIT_CLEAN:
+            raise ValueError("fail() needs a non-zero exit code")
+        self.exit_code = code
+
+    def __enter__(self) -> "ProcessEntry":
+        if self._setup_logging is not None:
+            self._setup_logging(self.role, self.rank)
+        parent_pid = self._parent_pid if self._parent_pid is not None else spawning_parent_pid()
+        install_shutdown_handlers(self.request_stop)
+        set_parent_death_signal(PARENT_DEATH_SIGNAL, parent_pid=parent_pid)
+        self._watcher = ParentWatcher(interval=self._watch_interval, callback=self.request_stop,
+                                      parent_pid=parent_pid)
+        self._watcher.start()
+        ShutdownDeadline(self.stop_event, self.grace_s).start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 _tb: TracebackType | None) -> bool:
+        if isinstance(exc, Exception):
+            logger.error("%s (rank %d) failed: %s: %s", self.role, self.rank, type(exc).__name__, exc, exc_info=exc)
+            self.exit_code = EXIT_FAILURE
+        # From here the deadline runs: the clean-ups below must finish within grace_s.
+        self.stop_event.set()
+        if self._watcher is not None:
+            self._watcher.stop()
+        for what, fn in reversed(self._cleanups):
+            try:
+                fn()
+            except Exception:  # the other clean-ups (unlinking segments, closing sockets) must still run
+                logger.exception("clean-up step %r failed", what)
+                self.exit_code = self.exit_code or EXIT_FAILURE
+        self._cleanups.clear()
+        logger.info("%s exited (rank %d, code %d)", self.role, self.rank, self.exit_code)
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # SystemExit / KeyboardInterrupt keep their own meaning
+        if self.exit_code != EXIT_CLEAN:
+            raise SystemExit(self.exit_code)
+        return True

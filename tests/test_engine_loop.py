@@ -203,17 +203,17 @@ def test_a_cache_transfer_process_without_progress_is_killed(make_harness, monke
     hung = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,), name="stand-in")
     hung.start()
     try:
-        engine.cache_transfers.append(hung)
+        engine.supervisor.cache_transfers.append(hung)
         signals.cache_transfer_ready.value[0] = 1
         signals.cache_transfer_heartbeat.value[0] = time.time() - 1.0  # busy for 1 s: within the timeout
-        assert engine._kill_stalled_cache_transfer() is None and hung.is_alive()
+        assert engine.supervisor.kill_stalled_cache_transfer() is None and hung.is_alive()
         signals.cache_transfer_heartbeat.value[0] = time.time() - 3.0
-        reason = engine._kill_stalled_cache_transfer()
+        reason = engine.supervisor.kill_stalled_cache_transfer()
         assert reason is not None and "made no progress for 3 s (FD_CACHE_TRANSFER_TIMEOUT=2 s)" in reason
         hung.join(10)
         assert hung.exitcode == -signal.SIGKILL
     finally:
-        engine.cache_transfers.clear()
+        engine.supervisor.cache_transfers.clear()
         if hung.is_alive():
             hung.kill()
         hung.join(10)

@@ -39,7 +39,7 @@ from cache_manager.block_state import BlockState
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.kvcache_lock import kvcache_lock_for
 from inter_communicator.messages import StepBatch, StepResult, WorkerShutdown
-from inter_communicator.process_utils import ParentWatcher, install_shutdown_handlers, set_parent_death_signal
+from inter_communicator.process_utils import EXIT_COLLECTIVE_FAILURE, ProcessEntry
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +48,21 @@ POLL_MS = 1000
 EP_NEXT_BATCH_POLL_MS = 20
 EP_IDLE_POLL_MIN_MS = 1
 EP_IDLE_POLL_MAX_MS = 50
-EP_FAILURE_EXIT_CODE = 3
+EP_FAILURE_EXIT_CODE = EXIT_COLLECTIVE_FAILURE
+# Seconds between a stop (signal, dead parent, the engine's shutdown message) and a forced exit.
+SHUTDOWN_GRACE_S = 15.0
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str,
+                 stop_event: threading.Event | None = None) -> None:
         # Both import paddle: only after the thread variables are set.
         from worker.expert_parallel import build_expert_parallel, expert_parallel_enabled
         from worker.model_runner import ModelRunner
 
         self.config = config
         self.tp_rank = tp_rank
-        self.stop_event = threading.Event()
+        self.stop_event = stop_event if stop_event is not None else threading.Event()
         # Not connected yet: the rendezvous happens in serve(), after every rank loaded its model,
         # so a slow loader never meets a collective's timeout.
         self.ep = build_expert_parallel(config) if expert_parallel_enabled(config) else None
@@ -104,8 +107,7 @@ class Worker:
             return result
         except Exception as exc:  # a bad step fails its requests, not the worker
             logger.exception("execute_model failed for step %d", batch.step_id)
-            message = f"worker error during execute_model: {type(exc).__name__}: {exc}"
-            return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
+            return failed_step_result(batch, exc, violations)
 
     def serve(self) -> None:
         if self.ep is not None:
@@ -186,7 +188,7 @@ class Worker:
         except Exception as exc:
             logger.exception("step %d: could not prepare the batch; running a dummy forward instead", batch.step_id)
             self.runner.execute_dummy()
-            return self._error_result(batch, exc, violations)
+            return failed_step_result(batch, exc, violations)
         group = self.ep.group
         collectives_before = group.num_collectives
         try:
@@ -202,19 +204,14 @@ class Worker:
             logger.exception("step %d: forward failed before any collective; running a dummy forward instead",
                              batch.step_id)
             self.runner.execute_dummy()
-            return self._error_result(batch, exc, violations)
+            return failed_step_result(batch, exc, violations)
         try:
             result = self.runner.sample_step(step, hidden)
         except Exception as exc:  # sampling is local: a bad step fails its requests, not the worker
             logger.exception("step %d: sampling failed", batch.step_id)
-            return self._error_result(batch, exc, violations)
+            return failed_step_result(batch, exc, violations)
         result.errors.update(violations)
         return result
-
-    @staticmethod
-    def _error_result(batch: StepBatch, exc: Exception, violations: dict[str, str]) -> StepResult:
-        message = f"worker error during execute_model: {type(exc).__name__}: {exc}"
-        return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
 
     def _fail_batch(self, batch: StepBatch, reason: str) -> None:
         self.result_socket.send_pyobj(StepResult(batch.step_id, errors={s.request_id: reason for s in batch.seqs}))
@@ -228,6 +225,12 @@ class Worker:
         self.zmq_context.term()
         self.runner.close()
         self.signals.close()
+
+
+def failed_step_result(batch: StepBatch, exc: Exception, violations: dict[str, str]) -> StepResult:
+    """The result of a step that raised: each of its requests fails with the error, the refused ones with theirs."""
+    message = f"worker error during execute_model: {type(exc).__name__}: {exc}"
+    return StepResult(batch.step_id, errors={**{s.request_id: message for s in batch.seqs}, **violations})
 
 
 class BlockStateSanitizer:
@@ -286,30 +289,19 @@ def tune_malloc() -> None:
 
 
 def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
-    """Process entry point (multiprocessing spawn target)."""
-    set_parent_death_signal()
-    setup_logging("worker" if config.dp_size == 1 else f"worker.dp{config.dp_rank}", tp_rank)
-    envs.apply_compute_thread_env(config.num_threads)
-    # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.
-    tqdm.set_lock(threading.RLock())
-    tune_malloc()
-    from worker.expert_parallel import EPCommunicationError  # imports paddle: after the thread variables
+    """Process entry point (multiprocessing spawn target); exits with ``EP_FAILURE_EXIT_CODE`` if the EP group failed."""
+    role = "worker" if config.dp_size == 1 else f"worker.dp{config.dp_rank}"
+    with ProcessEntry(role, tp_rank, grace_s=SHUTDOWN_GRACE_S, setup_logging=setup_logging) as entry:
+        envs.apply_compute_thread_env(config.num_threads)
+        # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.
+        tqdm.set_lock(threading.RLock())
+        tune_malloc()
+        from worker.expert_parallel import EPCommunicationError  # imports paddle: after the thread variables
 
-    worker = None
-    stop_event = threading.Event()
-    install_shutdown_handlers(stop_event.set)
-    ParentWatcher(callback=stop_event.set).start()
-    failed = False
-    try:
-        worker = Worker(config, tp_rank, batch_addr, result_addr)
-        worker.stop_event = stop_event
-        worker.serve()
-    except EPCommunicationError as exc:
-        logger.error("expert-parallel group failed, worker exiting with code %d: %s", EP_FAILURE_EXIT_CODE, exc)
-        failed = True
-    finally:
-        if worker is not None:
-            worker.close()
-        logger.info("worker exited")
-    if failed:
-        raise SystemExit(EP_FAILURE_EXIT_CODE)
+        worker = Worker(config, tp_rank, batch_addr, result_addr, stop_event=entry.stop_event)
+        entry.cleanup("close the worker", worker.close)
+        try:
+            worker.serve()
+        except EPCommunicationError as exc:
+            logger.error("expert-parallel group failed, worker exiting with code %d: %s", EP_FAILURE_EXIT_CODE, exc)
+            entry.fail(EP_FAILURE_EXIT_CODE)
