@@ -7,10 +7,13 @@ tests in test_cache_transfer.py and the server tests cover the real copies).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cache_manager.block_hash import hash_full_blocks
+from cache_manager.block_pool import BlockAllocationError, BlockPool
 from cache_manager.block_state import BlockState
 from cache_manager.kv_cache_manager import KVCacheManager
+from cache_manager.prefix_index import PrefixIndex
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -72,6 +75,23 @@ def test_chained_hash_depends_on_prefix_and_model():
     c = hash_full_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, "m2")
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # the second block differs through its parent
     assert a[0] != c[0]
+
+
+def test_block_pool_keeps_a_block_with_a_copy_in_flight_until_the_copy_ends():
+    index, states = PrefixIndex(), np.zeros(2, np.int8)
+    pool = BlockPool(2, index, states)
+    a = pool.take()
+    pool.register(a, "h")
+    pool.begin_copy(a, task_id=1, state=BlockState.WRITE_BACK)
+    pool.release(a)  # no reference left, but the copy still reads it
+    assert states[a] == BlockState.WRITE_BACK and pool.num_free == 1
+    pool.take()
+    with pytest.raises(BlockAllocationError):
+        pool.take()
+    pool.end_copy(a)
+    assert states[a] == BlockState.CACHED and pool.num_free == 1 and index.device_block("h") == a
+    assert pool.take() == a and index.device_block("h") is None  # evicted: no longer matchable
+    assert states[a] == BlockState.IN_USE
 
 
 def test_second_request_shares_full_prompt_blocks():
