@@ -3,8 +3,8 @@
 Each entry: name -> (parser, default, doc). Values are read lazily, at attribute
 access (``envs.FD_USE_KVCACHE_LOCK``), so a test or a parent process can set a
 variable before the child reads it. Nothing else in the code base calls
-``os.environ.get`` for configuration; processes that must *set* variables for a
-child (thread counts before importing paddle) do so through ``child_env``.
+``os.environ.get`` for configuration; a process that must *set* variables before
+it imports paddle (thread counts) does so through ``apply_compute_thread_env``.
 """
 from __future__ import annotations
 

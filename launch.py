@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -163,16 +162,16 @@ class EngineReplica:
         from inter_communicator.instance_signals import InstanceSignals
 
         self.config = config
-        self.addresses = EngineAddresses.in_dir(config.ipc_dir, config.dp_rank)
+        self.addresses = EngineAddresses.in_dir(config.ipc_dir, config.parallel.dp_rank)
         self.signals = InstanceSignals(config, create=True)
         self.kvcache_lock = None
         if envs.FD_USE_KVCACHE_LOCK:
             from inter_communicator.kvcache_lock import KVCacheLock
 
-            self.kvcache_lock = KVCacheLock.create(config.instance_id, config.dp_rank, role="launch")
+            self.kvcache_lock = KVCacheLock.create(config.instance_id, config.parallel.dp_rank, role="launch")
         # What this process created for the rank: kept across engine restarts, everything else
         # of the rank in /dev/shm belongs to the engine's children and is swept when they die.
-        self._own_ipc_names = _rank_ipc_names(config.instance_id, config.dp_rank)
+        self._own_ipc_names = _rank_ipc_names(config.instance_id, config.parallel.dp_rank)
         self.proc: multiprocessing.process.BaseProcess | None = None
         self._terminated = False
         self._released = False
@@ -192,7 +191,7 @@ class EngineReplica:
 
         spawn = multiprocessing.get_context("spawn")
         self._terminated = False
-        self.proc = spawn.Process(target=run_engine, name=f"fdserve-engine-{self.config.dp_rank}",
+        self.proc = spawn.Process(target=run_engine, name=f"fdserve-engine-{self.config.parallel.dp_rank}",
                                   args=(self.config, self.addresses))
         self.proc.start()
 
@@ -202,7 +201,8 @@ class EngineReplica:
     def ready(self) -> bool:
         if not self.alive():
             code = self.proc.exitcode if self.proc is not None else None
-            raise LaunchError(f"engine of DP rank {self.config.dp_rank} exited during start-up (code {code}); "
+            raise LaunchError(f"engine of DP rank {self.config.parallel.dp_rank} exited during start-up "
+                              f"(code {code}); "
                               "see the log above")
         return bool(self.signals.engine_ready.value[0])
 
@@ -226,7 +226,7 @@ class EngineReplica:
             self.restarts += 1
             self.start()
             logger.info("engine of DP rank %d restarted as pid %d (restart %d); loading the model",
-                        self.config.dp_rank, self.proc.pid, self.restarts)
+                        self.config.parallel.dp_rank, self.proc.pid, self.restarts)
         deadline = time.monotonic() + ENGINE_RESTART_READY_TIMEOUT_S
         while True:
             with self._lifecycle:
@@ -235,8 +235,8 @@ class EngineReplica:
                 if self.ready():
                     return True
             if time.monotonic() > deadline:
-                raise LaunchError(f"the restarted engine of DP rank {self.config.dp_rank} was not ready after "
-                                  f"{ENGINE_RESTART_READY_TIMEOUT_S:.0f} s")
+                raise LaunchError(f"the restarted engine of DP rank {self.config.parallel.dp_rank} was not ready "
+                                  f"after {ENGINE_RESTART_READY_TIMEOUT_S:.0f} s")
             stop.wait(0.1)
 
     def _clean_up_after_engine(self) -> None:
@@ -248,7 +248,8 @@ class EngineReplica:
 
         import posix_ipc
 
-        for entry in sorted(_rank_ipc_names(self.config.instance_id, self.config.dp_rank) - self._own_ipc_names):
+        rank_names = _rank_ipc_names(self.config.instance_id, self.config.parallel.dp_rank)
+        for entry in sorted(rank_names - self._own_ipc_names):
             if entry.startswith("sem."):
                 try:
                     posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
@@ -324,7 +325,7 @@ class Server:
         config.ipc_dir = ipc_dir_for(config.instance_id)
         shutil.rmtree(config.ipc_dir, ignore_errors=True)
         os.makedirs(config.ipc_dir, mode=0o700)
-        self.replicas = [EngineReplica(dataclasses.replace(config, dp_rank=rank)) for rank in local_dp_ranks(config)]
+        self.replicas = [EngineReplica(config.for_dp_rank(rank)) for rank in config.parallel.local_dp_ranks]
         self._stop_lock = threading.Lock()
 
     def start_engines(self) -> None:
@@ -393,7 +394,7 @@ class EngineSupervisor:
     def _watch(self, index: int) -> None:
         proc = self.replicas[index].proc
         if proc is None:
-            raise LaunchError(f"engine of DP rank {self.replicas[index].config.dp_rank} was never started")
+            raise LaunchError(f"engine of DP rank {self.replicas[index].config.parallel.dp_rank} was never started")
         self._watched[index] = proc.sentinel
         self._loop.add_reader(proc.sentinel, self._on_exit, index)
 
@@ -412,7 +413,7 @@ class EngineSupervisor:
         replica.proc.join(1.0)
         failed = client.fail_all(_ENGINE_DIED_MESSAGE)
         logger.error("engine of DP rank %d (pid %d) exited with code %s; %d request(s) failed; restarting it",
-                     replica.config.dp_rank, replica.proc.pid, replica.proc.exitcode, failed)
+                     replica.config.parallel.dp_rank, replica.proc.pid, replica.proc.exitcode, failed)
         replica.state = STATE_RESTARTING
         task = asyncio.ensure_future(self._restart(index))
         self._tasks.add(task)
@@ -423,7 +424,7 @@ class EngineSupervisor:
         from engine.engine_process import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S
 
         replica = self.replicas[index]
-        rank = replica.config.dp_rank
+        rank = replica.config.parallel.dp_rank
         while not self._stop.is_set():
             if not replica.count_restart():
                 replica.state = STATE_DOWN
@@ -451,12 +452,6 @@ class EngineSupervisor:
             task.cancel()
 
 
-def local_dp_ranks(config: EngineConfig) -> range:
-    """The DP ranks this node hosts: an equal share of --data-parallel-size per node."""
-    per_node = config.dp_size // config.args.nnodes
-    return range(config.args.node_rank * per_node, (config.args.node_rank + 1) * per_node)
-
-
 def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -468,17 +463,18 @@ def serve_http(server: Server, config: EngineConfig) -> None:
     from engine.entrypoints.engine_client import EngineClient
     from engine.entrypoints.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(config.args.model)
+    tokenizer = load_tokenizer(config.model.path)
     clients = [EngineClient(tokenizer, r.addresses, r.signals, r, instance_id=r.config.instance_id,
-                            dp_rank=r.config.dp_rank)
+                            dp_rank=r.config.parallel.dp_rank)
                for r in server.replicas]
-    client = clients[0] if len(clients) == 1 else DPRouter(clients, config.block_size)
-    app = build_app(client, served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                    api_key=config.args.api_key or envs.FD_API_KEY, max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
+    client = clients[0] if len(clients) == 1 else DPRouter(clients, config.cache.block_size)
+    app = build_app(client, served_model_name=config.server.served_model_name,
+                    max_model_len=config.scheduler.max_model_len, api_key=config.server.api_key,
+                    max_request_bytes=envs.FD_MAX_REQUEST_BYTES)
     drain_s = max(0.0, envs.FD_SHUTDOWN_DRAIN_S)
     # Our own SIGINT/SIGTERM handlers: a drain, then launch's finally-block cleanup. uvicorn's
     # own deadline is only a backstop: the drain ends every request before it.
-    http = create_server(app, config.args.host, config.args.port, handle_signals=False,
+    http = create_server(app, config.server.host, config.server.port, handle_signals=False,
                          timeout_graceful_shutdown=drain_s + 3)
     supervisor = EngineSupervisor(server.replicas, clients)
 
@@ -513,7 +509,8 @@ def serve_http(server: Server, config: EngineConfig) -> None:
             await asyncio.to_thread(server.stop_engines)
             await client.close()
 
-    logger.info("serving %s on http://%s:%d", config.served_model_name, config.args.host, config.args.port)
+    logger.info("serving %s on http://%s:%d", config.server.served_model_name, config.server.host,
+                config.server.port)
     asyncio.run(run())
 
 

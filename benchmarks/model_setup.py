@@ -61,10 +61,11 @@ def contiguous_cache(config: Any, batch_size: int, total_len: int, block_size: i
     """(per-layer KV cache views, block tables) for ``batch_size`` sequences of up to ``total_len`` tokens."""
     import numpy as np
 
-    from worker.attention import kv_cache_shape, kv_cache_views
+    from cache_manager.kv_layout import device_cache_shape
+    from worker.attention import kv_cache_views
 
     blocks_per_seq = -(-total_len // block_size)
-    cache = np.zeros(kv_cache_shape(config, batch_size * blocks_per_seq, block_size), dtype=np.float32)
+    cache = np.zeros(device_cache_shape(config, batch_size * blocks_per_seq, block_size), dtype=np.float32)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
     return kv_cache_views(cache), tables
 

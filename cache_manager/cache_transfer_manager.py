@@ -41,7 +41,7 @@ from cache_manager.kv_layout import (
     host_cache_shape,
 )
 from cache_manager.transfer_factory.base import KVStorageBackend
-from cache_manager.transfer_factory.factory import StorageConfig, create_storage_backend
+from cache_manager.transfer_factory.factory import create_storage_backend
 from config.engine_config import EngineConfig
 from config.log import setup_logging
 from inter_communicator.instance_signals import InstanceSignals
@@ -155,20 +155,23 @@ class CacheTransferManager:
     # ---- set-up / tear-down ----------------------------------------------------------------
 
     def _open(self, task_addr: str, done_addr: str) -> None:
-        config, model = self.config, self.config.model_config
+        config, model = self.config, self.config.model
         self.signals = InstanceSignals(config, create=False)
         self.device_segment = SharedArray(
-            device_cache_segment(config.instance_id, config.dp_rank, self.tp_rank),
-            device_cache_shape(model, config.num_gpu_blocks, config.block_size), np.float32, create=False)
-        if config.num_cpu_blocks > 0:
+            device_cache_segment(config.instance_id, config.parallel.dp_rank, self.tp_rank),
+            device_cache_shape(model, config.cache.num_gpu_blocks, config.cache.block_size), np.float32,
+            create=False)
+        if config.cache.num_cpu_blocks > 0:
             self.host_segment = SharedArray(
-                host_cache_segment(config.instance_id, config.dp_rank, self.tp_rank),
-                host_cache_shape(model, config.num_cpu_blocks, config.block_size), np.float32, create=True)
-        if config.args.kvcache_storage_backend:
-            self.backend = _create_backend(config)
-            staging_blocks = min(STAGING_BLOCKS, config.num_gpu_blocks)
-            self.staging = np.empty((staging_blocks, *block_shape(model, config.block_size)), dtype=np.float32)
-        self.lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="cache_transfer")
+                host_cache_segment(config.instance_id, config.parallel.dp_rank, self.tp_rank),
+                host_cache_shape(model, config.cache.num_cpu_blocks, config.cache.block_size), np.float32,
+                create=True)
+        if config.cache.storage is not None:
+            self.backend = create_storage_backend(config.cache.storage)
+            staging_blocks = min(STAGING_BLOCKS, config.cache.num_gpu_blocks)
+            self.staging = np.empty((staging_blocks, *block_shape(model, config.cache.block_size)),
+                                    dtype=np.float32)
+        self.lock = kvcache_lock_for(config.instance_id, config.parallel.dp_rank, role="cache_transfer")
         self.zmq_context = zmq.Context()
         self.task_socket = self.zmq_context.socket(zmq.PULL)
         self.task_socket.connect(task_addr)
@@ -176,9 +179,10 @@ class CacheTransferManager:
         self.done_socket.setsockopt(zmq.LINGER, DONE_LINGER_MS)
         self.done_socket.connect(done_addr)
         logger.info("cache transfer ready: device pool %d blocks, host pool %d blocks%s, storage %s, lock %s, "
-                    "sanitizer %s", config.num_gpu_blocks, config.num_cpu_blocks,
+                    "sanitizer %s", config.cache.num_gpu_blocks, config.cache.num_cpu_blocks,
                     f" ({self.host_segment.name})" if self.host_segment else "",
-                    config.args.kvcache_storage_backend or "none", "on" if self.lock.enabled else "off",
+                    config.cache.storage.backend if config.cache.storage else "none",
+                    "on" if self.lock.enabled else "off",
                     "on" if self.sanitizer else "off")
 
     @property
@@ -399,7 +403,7 @@ class CacheTransferManager:
         return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
     def _device_ids(self, task: TransferTask) -> list[int]:
-        return check_block_ids(task.device_block_ids, self.config.num_gpu_blocks, "device", unique=True)
+        return check_block_ids(task.device_block_ids, self.config.cache.num_gpu_blocks, "device", unique=True)
 
     def _host_pool(self, task: TransferTask) -> np.ndarray:
         if self.host_segment is None:
@@ -438,14 +442,6 @@ def _results(values: Sequence[bool], expected: int, call: str) -> list[bool]:
     if len(results) != expected:
         raise TransferTaskError(f"storage backend {call} answered {len(results)} results for {expected} blocks")
     return results
-
-
-def _create_backend(config: EngineConfig) -> KVStorageBackend:
-    # Fields not given on the command line keep StorageConfig's defaults from envs.py.
-    overrides = {"backend": config.args.kvcache_storage_backend}
-    if config.args.file_backend_storage_dir:
-        overrides["file_dir"] = config.args.file_backend_storage_dir
-    return create_storage_backend(StorageConfig(**overrides))
 
 
 def run_cache_transfer(config: EngineConfig, tp_rank: int, task_addr: str, done_addr: str) -> None:

@@ -1,9 +1,11 @@
-"""Command-line arguments and the derived configuration of one server instance.
+"""Command-line arguments and the typed configuration of one server instance built from them.
 
-``EngineArgs`` holds what the user typed (FastDeploy/vLLM flag names);
-``EngineConfig`` adds what is derived from it once at start-up (model config,
-KV-cache size in blocks, instance id). Both are plain dataclasses so they can
-be pickled to the engine and worker processes.
+``EngineArgs`` holds what the user typed (FastDeploy/vLLM flag names); only this module and
+launch.py's argument parsing read it. ``build_engine_config`` turns it, with envs.py, into an
+``EngineConfig`` once at start-up: typed sub-configs for the model, the KV cache (with its
+storage tier), the scheduler, the parallel layout and the HTTP server, plus the instance id.
+All are plain dataclasses so they can be pickled to the engine, worker and cache transfer
+processes; a per-rank copy comes from ``EngineConfig.for_dp_rank``.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import argparse
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import envs
 from config.model_config import ModelConfig, default_model_path, load_model_config
@@ -103,30 +105,23 @@ class EngineArgs:
 
 
 @dataclass
-class EngineConfig:
-    args: EngineArgs
-    model_config: ModelConfig
-    served_model_name: str
-    max_model_len: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    num_threads: int
-    instance_id: str
-    ipc_dir: str = ""
-    dp_rank: int = 0
-    dp_size: int = 1
-    # EP group rendezvous (paddle.distributed, gloo on CPU): every DP rank's worker joins.
-    ep_master_addr: str = "127.0.0.1"
-    ep_master_port: int = 0
-    extra: dict = field(default_factory=dict)
+class StorageConfig:
+    """The storage tier below host memory: which backend and its settings; each field defaults from envs.py."""
 
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.args.block_size)
+    backend: str = "file"
+    namespace: str = field(default_factory=lambda: envs.FD_KVCACHE_STORAGE_NAMESPACE)
+    # file backend
+    file_dir: str | None = field(default_factory=lambda: envs.FILE_BACKEND_STORAGE_DIR)
+    file_fsync: bool = False
+    # mooncake backend
+    mooncake_master_addr: str | None = field(default_factory=lambda: envs.MOONCAKE_MASTER_SERVER_ADDR)
+    mooncake_metadata_server: str = field(default_factory=lambda: envs.MOONCAKE_METADATA_SERVER)
+    mooncake_protocol: str = field(default_factory=lambda: envs.MOONCAKE_PROTOCOL)
+    mooncake_global_segment_size: int = field(default_factory=lambda: envs.MOONCAKE_GLOBAL_SEGMENT_SIZE)
+    mooncake_local_buffer_size: int = field(default_factory=lambda: envs.MOONCAKE_LOCAL_BUFFER_SIZE)
+    mooncake_local_hostname: str = field(default_factory=lambda: envs.MOONCAKE_LOCAL_HOSTNAME)
+    mooncake_reconnect_interval_s: float = 5.0
+    mooncake_rebuild_after_s: float = 30.0
 
 
 @dataclass
@@ -142,6 +137,69 @@ class CacheConfig:
     write_policy: str = "write_through"
     transfer_timeout_s: float = 30.0
     offload_watermark: float = 0.125  # keep this share of device blocks free by swapping out cold cached ones
+    # The backend settings, read by the cache transfer process; the manager only needs storage_enabled.
+    storage: StorageConfig | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one engine step and of one request."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ParallelConfig:
+    """Where this engine sits among the data-parallel ranks, and the expert-parallel rendezvous."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dp_rank: int = 0
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    # EP group rendezvous (paddle.distributed, gloo on CPU): every DP rank's worker joins.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def local_dp_ranks(self) -> range:
+        """The DP ranks this node hosts: an equal share of the data-parallel size per node."""
+        per_node = self.data_parallel_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP side: where it listens, who may call it, the model name it answers to."""
+
+    host: str
+    port: int
+    served_model_name: str
+    api_key: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    """Everything one server instance runs with, resolved once by ``build_engine_config``.
+
+    Processes below launch.py read only these typed sub-configs, never the command line.
+    """
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    server: ServerConfig
+    num_threads: int
+    instance_id: str
+    ipc_dir: str = ""
+
+    def for_dp_rank(self, dp_rank: int) -> "EngineConfig":
+        """A copy for data-parallel rank ``dp_rank``; the sub-configs it shares are not mutated later."""
+        return replace(self, parallel=replace(self.parallel, dp_rank=dp_rank))
 
 
 class ConfigError(ValueError):
@@ -181,7 +239,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     if not os.path.exists(model_path):
         raise ConfigError(f"--model {model_path!r} does not exist")
     model_config = load_model_config(model_path)
-    args.model = model_path
 
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
@@ -197,26 +254,54 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         max_model_len = num_blocks * args.block_size
         logger.warning("max_model_len lowered to %d tokens to fit the KV cache (%d blocks)", max_model_len, num_blocks)
 
-    num_cpu_blocks = int(args.swap_space * GIB // per_block)
     if args.swap_space < 0:
         raise ConfigError(f"--swap-space must be >= 0, got {args.swap_space}")
+    num_cpu_blocks = int(args.swap_space * GIB // per_block)
     _validate_parallel(args)
     local_ranks = args.data_parallel_size // args.nnodes
     # Data-parallel ranks on one node split its cores (one compute thread per rank on 2 cores, DP 2).
     num_threads = args.num_threads or envs.FD_NUM_THREADS or max(1, envs.available_cores() // local_ranks)
     instance_id = envs.FD_INSTANCE_ID or f"p{args.port}"
+    storage = None
+    if args.kvcache_storage_backend is not None:
+        storage = StorageConfig(backend=args.kvcache_storage_backend)
+        if args.file_backend_storage_dir:  # else the envs.py default stays
+            storage.file_dir = args.file_backend_storage_dir
     return EngineConfig(
-        args=args,
-        model_config=model_config,
-        served_model_name=_served_name(args, model_path),
-        max_model_len=max_model_len,
-        num_gpu_blocks=num_blocks,
-        num_cpu_blocks=num_cpu_blocks,
+        model=model_config,
+        cache=CacheConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=args.block_size,
+            model_fingerprint=model_config.model_fingerprint,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+            storage_enabled=storage is not None,
+            write_policy=args.write_policy,
+            transfer_timeout_s=envs.FD_KVCACHE_TRANSFER_TIMEOUT,
+            storage=storage,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=_ep_port(args),
+        ),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=_served_name(args, model_path),
+            api_key=args.api_key or envs.FD_API_KEY,
+        ),
         num_threads=num_threads,
         instance_id=instance_id,
-        dp_size=args.data_parallel_size,
-        ep_master_addr=args.master_addr,
-        ep_master_port=_ep_port(args),
     )
 
 

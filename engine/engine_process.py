@@ -18,7 +18,7 @@ import zmq
 import envs
 from cache_manager.kv_cache_manager import KVCacheManager
 from cache_manager.transfer_client import CacheTransferClient
-from config.engine_config import CacheConfig, EngineConfig
+from config.engine_config import EngineConfig
 from config.log import setup_logging
 from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
                             ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
@@ -108,16 +108,16 @@ class Engine:
         self.transfer: CacheTransferClient | None = None
         if needs_cache_transfer(config):
             self.transfer = CacheTransferClient(self.context, addresses.transfer_tasks, addresses.transfer_done)
-        self.cache = KVCacheManager(cache_config(config), self.signals.block_states.value,
+        self.cache = KVCacheManager(config.cache, self.signals.block_states.value,
                                     submit=self.transfer.submit if self.transfer else None)
         if self.transfer is not None:
             self.transfer.on_done = self.cache.on_transfer_done
             self.transfer.on_started = self.cache.on_transfer_started
         self.scheduler = Scheduler(
             self.cache,
-            max_num_seqs=config.args.max_num_seqs,
-            max_num_batched_tokens=config.args.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=config.scheduler.max_model_len,
             schedule_on_fill_start=envs.FD_KVCACHE_FAULT_EARLY_SCHEDULE,
         )
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
@@ -192,8 +192,8 @@ class Engine:
         restarted ends the process.
         """
         self.signals.engine_ready.value[0] = 1
-        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.num_gpu_blocks,
-                    self.config.block_size, self.config.max_model_len)
+        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", self.config.cache.num_gpu_blocks,
+                    self.config.cache.block_size, self.config.scheduler.max_model_len)
         while not self.stop_event.is_set():
             try:
                 self._serve()
@@ -424,20 +424,7 @@ class Engine:
 
 
 def needs_cache_transfer(config: EngineConfig) -> bool:
-    return config.num_cpu_blocks > 0 or config.args.kvcache_storage_backend is not None
-
-
-def cache_config(config: EngineConfig) -> CacheConfig:
-    return CacheConfig(
-        num_gpu_blocks=config.num_gpu_blocks,
-        block_size=config.block_size,
-        model_fingerprint=config.model_config.model_fingerprint,
-        enable_prefix_caching=config.args.enable_prefix_caching,
-        num_cpu_blocks=config.num_cpu_blocks,
-        storage_enabled=config.args.kvcache_storage_backend is not None,
-        write_policy=config.args.write_policy,
-        transfer_timeout_s=envs.FD_KVCACHE_TRANSFER_TIMEOUT,
-    )
+    return config.cache.num_cpu_blocks > 0 or config.cache.storage is not None
 
 
 def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
@@ -459,7 +446,7 @@ def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:
         with wake_lock:
             wake.pop().close(linger=0)
 
-    with ProcessEntry("engine", config.dp_rank, grace_s=ENGINE_SHUTDOWN_GRACE_S, setup_logging=setup_logging,
+    with ProcessEntry("engine", config.parallel.dp_rank, grace_s=ENGINE_SHUTDOWN_GRACE_S, setup_logging=setup_logging,
                       on_stop=wake_loop) as entry:
         engine = Engine(config, addresses, entry.stop_event)
         entry.cleanup("close the engine", engine.close)

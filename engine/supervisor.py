@@ -96,7 +96,7 @@ class WorkerSupervisor:
 
     @property
     def tp_size(self) -> int:
-        return self.config.args.tensor_parallel_size
+        return self.config.parallel.tensor_parallel_size
 
     # ---- start -------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class WorkerSupervisor:
         if len(self._restart_times) > MAX_RESTARTS_PER_WINDOW:
             raise WorkerDied(f"{exc} ({len(self._restart_times)} restarts within {RESTART_WINDOW_S:.0f} s; "
                              "giving up)", exc.role)
-        if self.config.args.enable_expert_parallel and exc.role == "worker":
+        if self.config.parallel.enable_expert_parallel and exc.role == "worker":
             raise WorkerDied(f"{exc}; an expert-parallel worker cannot be restarted alone", exc.role)
         logger.error("%s; restarting it", exc)
         if exc.role == "worker":
@@ -218,7 +218,7 @@ class WorkerSupervisor:
         """After the cache transfer processes (and, if ``device_too``, the workers) were reaped: drop
         the engine's cache state they held, clear their readiness, remove the segments they left."""
         self.hooks.reset_cache_state(device_too)
-        dp_rank, instance_id = self.config.dp_rank, self.config.instance_id
+        dp_rank, instance_id = self.config.parallel.dp_rank, self.config.instance_id
         stale = [host_cache_segment(instance_id, dp_rank, r) for r in range(self.tp_size)]
         self.signals.cache_transfer_ready.value[:] = 0
         if device_too:

@@ -20,14 +20,14 @@ class InstanceSignals:
     """The signals of one DP rank, created by launch.py and attached by the engine and workers."""
 
     def __init__(self, config: EngineConfig, create: bool) -> None:
-        tp = config.args.tensor_parallel_size
-        kwargs = dict(instance_id=config.instance_id, dp_rank=config.dp_rank, create=create)
+        tp = config.parallel.tensor_parallel_size
+        kwargs = dict(instance_id=config.instance_id, dp_rank=config.parallel.dp_rank, create=create)
         self.worker_ready = IPCSignal("worker_ready", np.zeros(tp, dtype=np.int32), **kwargs)
         self.worker_heartbeat = IPCSignal("worker_heartbeat", np.zeros(tp, dtype=np.float64), **kwargs)
         self.engine_ready = IPCSignal("engine_ready", np.zeros(1, dtype=np.int32), **kwargs)
         self.engine_heartbeat = IPCSignal("engine_heartbeat", np.zeros(1, dtype=np.float64), **kwargs)
         # Block states of the device pool (engine writes; worker and transfer process check under the sanitizer).
-        self.block_states = IPCSignal("block_states", np.zeros(config.num_gpu_blocks, dtype=np.int8), **kwargs)
+        self.block_states = IPCSignal("block_states", np.zeros(config.cache.num_gpu_blocks, dtype=np.int8), **kwargs)
         self.cache_transfer_ready = IPCSignal("cache_transfer_ready", np.zeros(tp, dtype=np.int32), **kwargs)
         self.cache_transfer_heartbeat = IPCSignal("cache_transfer_heartbeat", np.zeros(tp, dtype=np.float64),
                                                   **kwargs)

@@ -70,7 +70,7 @@ class Instance:
     def __init__(self, config: EngineConfig, ipc_dir: Path) -> None:
         self.config = config
         self.iid = config.instance_id
-        self.host_name = host_cache_segment(self.iid, config.dp_rank, 0)
+        self.host_name = host_cache_segment(self.iid, config.parallel.dp_rank, 0)
         self.task_addr = f"ipc://{ipc_dir}/tasks"
         self.done_addr = f"ipc://{ipc_dir}/done"
         self.proc: multiprocessing.process.BaseProcess | None = None
@@ -81,10 +81,10 @@ class Instance:
         try:
             self.signals = InstanceSignals(config, create=True)
             self.device_segment = SharedArray(
-                device_cache_segment(self.iid, config.dp_rank, 0),
-                device_cache_shape(config.model_config, config.num_gpu_blocks, config.block_size), np.float32,
+                device_cache_segment(self.iid, config.parallel.dp_rank, 0),
+                device_cache_shape(config.model, config.cache.num_gpu_blocks, config.cache.block_size), np.float32,
                 create=True)
-            self.lock = KVCacheLock.create(self.iid, config.dp_rank, role="launch")
+            self.lock = KVCacheLock.create(self.iid, config.parallel.dp_rank, role="launch")
             self.context = zmq.Context()
             self.task_socket = self.context.socket(zmq.PUSH)
             self.done_socket = self.context.socket(zmq.PULL)
@@ -133,10 +133,10 @@ class Instance:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cache transfer process not ready after {START_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-        if self.config.num_cpu_blocks:
+        if self.config.cache.num_cpu_blocks:
             self.host_segment = SharedArray(
-                self.host_name, host_cache_shape(self.config.model_config, self.config.num_cpu_blocks,
-                                                 self.config.block_size), np.float32, create=False)
+                self.host_name, host_cache_shape(self.config.model, self.config.cache.num_cpu_blocks,
+                                                 self.config.cache.block_size), np.float32, create=False)
 
     @property
     def host(self) -> np.ndarray:
@@ -184,7 +184,7 @@ class Instance:
         return self.collect(self.send(kind, device, host, keys))
 
     def key(self, name: str) -> str:
-        return storage_key(self.config.model_config.model_fingerprint, f"{name}-{uuid.uuid4().hex[:8]}", 0)
+        return storage_key(self.config.model.model_fingerprint, f"{name}-{uuid.uuid4().hex[:8]}", 0)
 
     def wait_exit(self) -> int:
         self.proc.join(EXIT_TIMEOUT_S)
@@ -455,7 +455,8 @@ def test_multi_chunk_prefetch_holds_the_lock_from_started_to_its_last_chunk(
         base_config: EngineConfig, tmp_path: Path) -> None:
     """Whoever takes the lock after TransferStarted must find every chunk copied: the engine's
     early-schedule fault relies on exactly that. The slow-fill fault sleeps before every chunk."""
-    config = dataclasses.replace(base_config, instance_id=f"ct-{uuid.uuid4().hex[:10]}", num_gpu_blocks=MULTI_CHUNK_BLOCKS)
+    config = dataclasses.replace(base_config, instance_id=f"ct-{uuid.uuid4().hex[:10]}",
+                                 cache=dataclasses.replace(base_config.cache, num_gpu_blocks=MULTI_CHUNK_BLOCKS))
     instance = Instance(config, tmp_path)
     try:
         instance.start(sanitizer=True, env={"FD_KVCACHE_FAULT_SLOW_FILL_S": str(SLOW_FILL_S)})

@@ -198,12 +198,12 @@ def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
         for _ in range(MAX_RESTARTS_PER_WINDOW):
             assert replica.count_restart()
         client = EngineClient(load_tokenizer(default_model_path()), replica.addresses, replica.signals, replica,
-                              instance_id=config.instance_id, dp_rank=config.dp_rank)
+                              instance_id=config.instance_id, dp_rank=config.parallel.dp_rank)
         supervisor = EngineSupervisor([replica], [client])
 
         async def scenario() -> tuple[httpx.Response, httpx.Response]:
             await supervisor._restart(0)  # the next death: over budget, so no new engine
-            app = build_app(client, served_model_name="m", max_model_len=config.max_model_len)
+            app = build_app(client, served_model_name="m", max_model_len=config.scheduler.max_model_len)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
                 refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})

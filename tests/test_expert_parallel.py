@@ -76,7 +76,7 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, ipc_dir: Path) -> None:
         self.config = config
-        self.rank = config.dp_rank
+        self.rank = config.parallel.dp_rank
         self.signals = InstanceSignals(config, create=True)
         self.context = zmq.Context()
         self.batch_socket = self.context.socket(zmq.PUSH)
@@ -245,8 +245,9 @@ def base_config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
 def _ep_configs(base: EngineConfig) -> list[EngineConfig]:
     instance_id = f"ep-{uuid.uuid4().hex[:10]}"
     port = _free_port()
-    return [dataclasses.replace(base, instance_id=instance_id, dp_rank=rank, dp_size=2, ep_master_port=port)
-            for rank in range(2)]
+    config = dataclasses.replace(base, instance_id=instance_id,
+                                 parallel=dataclasses.replace(base.parallel, data_parallel_size=2, master_port=port))
+    return [config.for_dp_rank(rank) for rank in range(2)]
 
 
 @pytest.fixture
@@ -263,9 +264,9 @@ def ep_pair(base_config: EngineConfig, tmp_path: Path) -> Iterator[Cluster]:
 def single_reference(base_config: EngineConfig, prompts: list[list[int]],
                      tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[int]], list[float]]:
     """Greedy outputs of one non-EP worker serving all prompts, and its step times."""
-    args = dataclasses.replace(base_config.args, data_parallel_size=1, enable_expert_parallel=False)
-    config = dataclasses.replace(base_config, args=args, instance_id=f"ep1-{uuid.uuid4().hex[:10]}", dp_rank=0,
-                                 dp_size=1)
+    parallel = dataclasses.replace(base_config.parallel, data_parallel_size=1, dp_rank=0,
+                                   enable_expert_parallel=False)
+    config = dataclasses.replace(base_config, parallel=parallel, instance_id=f"ep1-{uuid.uuid4().hex[:10]}")
     cluster = Cluster([config], tmp_path_factory.mktemp("ipc-single"))
     try:
         cluster.start()

@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from worker import attention  # noqa: E402
-from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
+from cache_manager.kv_layout import device_cache_shape  # noqa: E402
+from worker.attention import build_attention_metadata, kv_cache_views  # noqa: E402
 from worker.loader import load_weights  # noqa: E402
 from config.model_config import ModelConfig, default_model_path, hf_config_dict, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
@@ -100,7 +101,7 @@ def run_step(model, kv_caches, work: list[tuple[Sequence, int]]) -> None:
 
 
 def new_cache(config: ModelConfig) -> tuple[np.ndarray, list]:
-    array = np.zeros(kv_cache_shape(config, NUM_BLOCKS, BLOCK_SIZE), dtype=np.float32)
+    array = np.zeros(device_cache_shape(config, NUM_BLOCKS, BLOCK_SIZE), dtype=np.float32)
     return array, kv_cache_views(array)
 
 
@@ -217,7 +218,7 @@ def test_cache_writes_land_in_numpy_array(model, config, reference) -> None:
 
 
 def test_kv_cache_views_reject_unusable_arrays(config) -> None:
-    shape = kv_cache_shape(config, 2, BLOCK_SIZE)
+    shape = device_cache_shape(config, 2, BLOCK_SIZE)
     with pytest.raises(ValueError, match="float32"):
         kv_cache_views(np.zeros(shape, dtype=np.float64))
     with pytest.raises(ValueError, match="contiguous"):
@@ -385,7 +386,7 @@ def test_architectures_match_dense_numpy_reference(architecture: str, tie: bool,
     model = get_model_class(architecture)(config)
     model.load_weights(weights)
     block_size, num_blocks = 4, 16
-    kv_caches = kv_cache_views(np.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=np.float32))
+    kv_caches = kv_cache_views(np.zeros(device_cache_shape(config, num_blocks, block_size), dtype=np.float32))
     rng = np.random.default_rng(5)
     seqs = {"a": rng.integers(0, config.vocab_size, 16).tolist(), "b": rng.integers(0, config.vocab_size, 12).tolist()}
     tables = {"a": [9, 3, 14, 0, 7, 1, 12, 5], "b": [2, 11, 6, 15, 4, 8, 10, 13]}
@@ -412,7 +413,7 @@ def logits_of_schedule(model, config: ModelConfig, tokens: list[int], prefill: i
     """Logits at every position of one sequence: ``prefill`` tokens in one step, then one token per step."""
     block_size = 4
     table = list(range(-(-len(tokens) // block_size)))[::-1]  # reversed: paging, not contiguity
-    kv_caches = kv_cache_views(np.zeros(kv_cache_shape(config, len(table), block_size), dtype=np.float32))
+    kv_caches = kv_cache_views(np.zeros(device_cache_shape(config, len(table), block_size), dtype=np.float32))
     chunks = [tokens[:prefill]] + [[token] for token in tokens[prefill:]]
     produced, done = [], 0
     for chunk in chunks:

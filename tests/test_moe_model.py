@@ -28,7 +28,8 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from engine.entrypoints.tokenizer import load_tokenizer  # noqa: E402
 from worker import attention  # noqa: E402
-from worker.attention import build_attention_metadata, kv_cache_shape, kv_cache_views  # noqa: E402
+from cache_manager.kv_layout import device_cache_shape  # noqa: E402
+from worker.attention import build_attention_metadata, kv_cache_views  # noqa: E402
 from worker.loader import load_weights  # noqa: E402
 from config.model_config import ModelConfig, default_model_path, load_model_config  # noqa: E402
 from worker.models import get_model_class  # noqa: E402
@@ -68,7 +69,7 @@ def load_rank_model(path: str, ep: "RankEP", weights: dict[str, np.ndarray]) -> 
 
 
 def new_kv_caches(config: ModelConfig) -> list:
-    return kv_cache_views(np.zeros(kv_cache_shape(config, NUM_BLOCKS, BLOCK_SIZE), dtype=np.float32))
+    return kv_cache_views(np.zeros(device_cache_shape(config, NUM_BLOCKS, BLOCK_SIZE), dtype=np.float32))
 
 
 def forward_logits(model, kv_caches, steps_input: list[tuple[list[int], int, list[int]]]) -> np.ndarray:

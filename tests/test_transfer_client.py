@@ -45,7 +45,7 @@ class Rig:
         try:
             self.device_segment = SharedArray(
                 device_cache_segment(self.config.instance_id, 0, 0),
-                device_cache_shape(self.config.model_config, NUM_DEVICE_BLOCKS, self.config.block_size), np.float32,
+                device_cache_shape(self.config.model, NUM_DEVICE_BLOCKS, self.config.cache.block_size), np.float32,
                 create=True)
             self.client = CacheTransferClient(self.context, self.task_addr, self.done_addr,
                                               on_done=self.events.append,

@@ -32,8 +32,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from cache_manager.kv_layout import device_cache_shape
-
 logger = logging.getLogger(__name__)
 
 # Additive mask value: finite so that a fully masked row can never produce NaN via (-inf) - (-inf).
@@ -47,15 +45,10 @@ _PREFILL_QUERY_TILE = 128
 _PREFILL_SCORE_BUDGET = 16 * 1024 * 1024
 
 
-def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the whole-model cache array: [layers, 2 (k, v), blocks, kv_heads, block_size, head_dim]."""
-    return device_cache_shape(config, num_blocks, block_size)
-
-
 def kv_cache_views(array: np.ndarray) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
     """Per-layer ``(k_cache, v_cache)`` paddle tensors sharing ``array``'s memory (no copy).
 
-    ``array`` must be a C-contiguous float32 array shaped like ``kv_cache_shape``; writes
+    ``array`` must be a C-contiguous float32 array shaped like ``device_cache_shape``; writes
     through the returned tensors land in it (and so in the shared-memory segment behind it).
     """
     if array.ndim != 6 or array.shape[1] != 2:

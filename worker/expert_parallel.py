@@ -5,7 +5,7 @@ This module owns:
 - ``ExpertParallelGroup``: the process group that the worker of every DP rank joins
   (``ep_rank = dp_rank``, ``ep_size = dp_size``) and the collectives the worker and the
   MoE layers run in it. CPU: gloo, rendezvous through a TCP store that EP rank 0 hosts at
-  ``config.ep_master_addr:config.ep_master_port``. GPU: NCCL through
+  ``config.parallel.master_addr:config.parallel.master_port``. GPU: NCCL through
   ``paddle.distributed.init_parallel_env`` (behind a device check; untested here, no GPU);
 - ``shard_experts``: which experts an EP rank holds;
 - ``DataParallelExpertParallel``: the MoE model's ``TokenExchangeExpertParallel`` for
@@ -95,7 +95,7 @@ class ExpertParallelGroup:
                              f"got rank {rank} of {world_size}")
         if not 0 < master_port < 65536:
             raise ValueError(f"EP master port must be set (1..65535), got {master_port}; "
-                             "the launcher picks a free port for config.ep_master_port")
+                             "the launcher picks a free port for config.parallel.master_port")
         self.rank = rank
         self.world_size = world_size
         self.master_addr = master_addr
@@ -359,14 +359,16 @@ def _on_gpu() -> bool:
 
 def expert_parallel_enabled(config: EngineConfig) -> bool:
     """True when this worker must join an EP group (``--enable-expert-parallel`` with ``dp_size > 1``)."""
-    return bool(config.args.enable_expert_parallel) and config.dp_size > 1
+    return bool(config.parallel.enable_expert_parallel) and config.parallel.data_parallel_size > 1
 
 
 def build_expert_parallel(config: EngineConfig) -> DataParallelExpertParallel:
     """This worker's (not yet connected) DP+EP handle from the engine config; ep_rank = dp_rank."""
-    model_config = config.model_config
+    model_config = config.model
     if model_config.num_experts <= 0:
         raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {model_config.architecture!r} "
                          "has no experts")
-    group = ExpertParallelGroup(config.dp_rank, config.dp_size, config.ep_master_addr, config.ep_master_port)
+    parallel = config.parallel
+    group = ExpertParallelGroup(parallel.dp_rank, parallel.data_parallel_size, parallel.master_addr,
+                                parallel.master_port)
     return DataParallelExpertParallel(group, model_config.num_experts)

@@ -24,9 +24,9 @@ import paddle
 
 from config.engine_config import EngineConfig
 from inter_communicator.messages import StepBatch, StepResult
-from cache_manager.kv_layout import device_cache_segment
+from cache_manager.kv_layout import device_cache_segment, device_cache_shape
 from inter_communicator.shm import SharedArray
-from worker.attention import AttentionMetadata, build_attention_metadata, kv_cache_shape, kv_cache_views
+from worker.attention import AttentionMetadata, build_attention_metadata, kv_cache_views
 from worker.loader import load_weights
 from worker.models import get_model_class
 from worker.sampler import Sampler, SamplingError
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def kv_cache_segment_name(config: EngineConfig, tp_rank: int) -> str:
-    return device_cache_segment(config.instance_id, config.dp_rank, tp_rank)
+    return device_cache_segment(config.instance_id, config.parallel.dp_rank, tp_rank)
 
 
 @dataclass
@@ -57,10 +57,10 @@ class ModelRunner:
         """``ep``: this rank's expert-parallel handle (``worker.expert_parallel``), None without EP."""
         self.config = config
         self.tp_rank = tp_rank
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.ep = ep
         self.model = self._load_model()
-        shape = kv_cache_shape(config.model_config, config.num_gpu_blocks, self.block_size)
+        shape = device_cache_shape(config.model, config.cache.num_gpu_blocks, self.block_size)
         self.kv_segment = SharedArray(kv_cache_segment_name(config, tp_rank), shape, np.float32, create=True)
         # Touch every page now: the pool's memory is committed at start-up (a full /dev/shm fails here, not
         # mid-request) and serving neither page-faults nor shows first-touch growth as RSS creep.
@@ -69,15 +69,15 @@ class ModelRunner:
         self._scratch_kv: np.ndarray | None = None
         self._scratch_kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]] = []
         if ep is not None:
-            self._scratch_kv = np.zeros(kv_cache_shape(config.model_config, 1, self.block_size), dtype=np.float32)
+            self._scratch_kv = np.zeros(device_cache_shape(config.model, 1, self.block_size), dtype=np.float32)
             self._scratch_kv_caches = kv_cache_views(self._scratch_kv)
         self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in shared memory %s",
-                    config.num_gpu_blocks, self.block_size, self.kv_segment.array.nbytes / 2**20,
+                    config.cache.num_gpu_blocks, self.block_size, self.kv_segment.array.nbytes / 2**20,
                     kv_cache_segment_name(config, tp_rank))
 
     def _load_model(self) -> paddle.nn.Layer:
-        model_config = self.config.model_config
+        model_config = self.config.model
         model_class = get_model_class(model_config.architecture)
         model = model_class(model_config) if self.ep is None else model_class(model_config, ep=self.ep)
         # An expert-parallel rank reads only its own experts' tensors from the checkpoint.

@@ -69,11 +69,11 @@ class Worker:
         self.runner = ModelRunner(config, tp_rank, ep=self.ep)
         self.signals = InstanceSignals(config, create=False)
         # Only TP rank 0 takes the lock: the other ranks would otherwise deadlock in collectives.
-        self.kvcache_lock = kvcache_lock_for(config.instance_id, config.dp_rank, role="worker",
+        self.kvcache_lock = kvcache_lock_for(config.instance_id, config.parallel.dp_rank, role="worker",
                                              enabled=envs.FD_USE_KVCACHE_LOCK and tp_rank == 0)
         self._steps_executed = 0
         self._fault_step = envs.FD_KVCACHE_FAULT_RAISE_IN_STEP
-        self.sanitizer = BlockStateSanitizer(self.signals.block_states.value, config.block_size) \
+        self.sanitizer = BlockStateSanitizer(self.signals.block_states.value, config.cache.block_size) \
             if envs.FD_KVCACHE_SANITIZER else None
         self.zmq_context = zmq.Context()
         self.batch_socket = self.zmq_context.socket(zmq.PULL)
@@ -290,7 +290,8 @@ def tune_malloc() -> None:
 
 def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
     """Process entry point (multiprocessing spawn target); exits with ``EP_FAILURE_EXIT_CODE`` if the EP group failed."""
-    role = "worker" if config.dp_size == 1 else f"worker.dp{config.dp_rank}"
+    parallel = config.parallel
+    role = "worker" if parallel.data_parallel_size == 1 else f"worker.dp{parallel.dp_rank}"
     with ProcessEntry(role, tp_rank, grace_s=SHUTDOWN_GRACE_S, setup_logging=setup_logging) as entry:
         envs.apply_compute_thread_env(config.num_threads)
         # tqdm's default lock is a multiprocessing (POSIX) semaphore that would outlive a killed worker.

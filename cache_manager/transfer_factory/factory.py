@@ -1,41 +1,20 @@
 """Choosing and building a KV-cache storage backend from configuration.
 
-This module owns ``StorageConfig`` (every knob of every backend, defaults from envs.py) and
-``create_storage_backend``, the one place that maps a backend name to its class.
+This module owns ``create_storage_backend``, the one place that maps a backend name to its class.
+``StorageConfig`` (every knob of every backend, defaults from envs.py) is part of the typed
+config in ``config/engine_config.py``; it is re-exported here for the backends' callers.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable
 
-import envs
 from cache_manager.transfer_factory.base import KVStorageBackend
+from config.engine_config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("file", "mooncake")
-
-
-@dataclasses.dataclass
-class StorageConfig:
-    """Configuration of the storage tier; each field defaults from its environment variable."""
-
-    backend: str = "file"
-    namespace: str = dataclasses.field(default_factory=lambda: envs.FD_KVCACHE_STORAGE_NAMESPACE)
-    # file backend
-    file_dir: str | None = dataclasses.field(default_factory=lambda: envs.FILE_BACKEND_STORAGE_DIR)
-    file_fsync: bool = False
-    # mooncake backend
-    mooncake_master_addr: str | None = dataclasses.field(default_factory=lambda: envs.MOONCAKE_MASTER_SERVER_ADDR)
-    mooncake_metadata_server: str = dataclasses.field(default_factory=lambda: envs.MOONCAKE_METADATA_SERVER)
-    mooncake_protocol: str = dataclasses.field(default_factory=lambda: envs.MOONCAKE_PROTOCOL)
-    mooncake_global_segment_size: int = dataclasses.field(
-        default_factory=lambda: envs.MOONCAKE_GLOBAL_SEGMENT_SIZE)
-    mooncake_local_buffer_size: int = dataclasses.field(default_factory=lambda: envs.MOONCAKE_LOCAL_BUFFER_SIZE)
-    mooncake_local_hostname: str = dataclasses.field(default_factory=lambda: envs.MOONCAKE_LOCAL_HOSTNAME)
-    mooncake_reconnect_interval_s: float = 5.0
-    mooncake_rebuild_after_s: float = 30.0
 
 
 def _create_file(config: StorageConfig) -> KVStorageBackend:
