@@ -34,6 +34,7 @@ from cache_manager.kv_layout import (  # noqa: E402
     storage_key,
 )
 from config.engine_config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
+from engine.engine_process import EngineAddresses  # noqa: E402
 from inter_communicator.instance_signals import InstanceSignals  # noqa: E402
 from inter_communicator.kvcache_lock import KVCacheLock  # noqa: E402
 from inter_communicator.messages import (  # noqa: E402
@@ -53,6 +54,8 @@ EXIT_TIMEOUT_S = 20.0
 NUM_DEVICE_BLOCKS = 6
 SWAP_SPACE_GIB = 0.02  # 7 host blocks of SmolLM2 at block size 64
 
+pytestmark = pytest.mark.integration  # spawns cache transfer processes
+
 
 # ---- harness ------------------------------------------------------------------------------------
 
@@ -71,8 +74,8 @@ class Instance:
         self.config = config
         self.iid = config.instance_id
         self.host_name = host_cache_segment(self.iid, config.parallel.dp_rank, 0)
-        self.task_addr = f"ipc://{ipc_dir}/tasks"
-        self.done_addr = f"ipc://{ipc_dir}/done"
+        addresses = EngineAddresses.in_dir(str(ipc_dir), config.parallel.dp_rank)  # the engine's own socket names
+        self.task_addr, self.done_addr = addresses.transfer_tasks, addresses.transfer_done
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.transfer_pid: int | None = None
         self.host_segment: SharedArray | None = None

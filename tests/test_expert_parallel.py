@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -30,6 +29,8 @@ envs.apply_compute_thread_env(2)
 
 from config.engine_config import EngineArgs, EngineConfig, build_engine_config  # noqa: E402
 from config.sampling_params import SamplingParams  # noqa: E402
+from engine.engine_process import EngineAddresses  # noqa: E402
+from harness.server import free_port  # noqa: E402
 from inter_communicator.instance_signals import InstanceSignals  # noqa: E402
 from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult, WorkerShutdown  # noqa: E402
 from inter_communicator.shm import sweep_stale, unlink_created  # noqa: E402
@@ -37,7 +38,6 @@ from tests.test_moe_model import TINY, make_tiny_moe  # noqa: E402
 from worker.expert_parallel import expert_owners, shard_experts  # noqa: E402
 from worker.model_runner import kv_cache_segment_name  # noqa: E402
 from worker.worker_process import EP_FAILURE_EXIT_CODE, run_worker  # noqa: E402
-from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +54,10 @@ RANK_START_ROUND = (0, 2)
 RANK_NEW_TOKENS = (5, 8)
 PROMPTS_PER_RANK = 3
 
+pytestmark = pytest.mark.integration  # spawns worker processes
+
 
 # ---- harness ------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -81,8 +77,8 @@ class RankWorker:
         self.context = zmq.Context()
         self.batch_socket = self.context.socket(zmq.PUSH)
         self.result_socket = self.context.socket(zmq.PULL)
-        self.batch_addr = f"ipc://{ipc_dir}/batches{self.rank}"
-        self.result_addr = f"ipc://{ipc_dir}/results{self.rank}"
+        addresses = EngineAddresses.in_dir(str(ipc_dir), self.rank)  # the engine's own socket names
+        self.batch_addr, self.result_addr = addresses.batches, addresses.results
         self.batch_socket.bind(self.batch_addr)
         self.result_socket.bind(self.result_addr)
         self.proc: multiprocessing.process.BaseProcess | None = None
@@ -230,8 +226,8 @@ def _drive(workers: list[RankWorker], seqs_per_rank: list[list[Sequence]], start
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return [entry["prompt_ids"] for entry in load_reference()][: 2 * PROMPTS_PER_RANK]
+def prompts(reference: list[dict]) -> list[list[int]]:
+    return [entry["prompt_ids"] for entry in reference][: 2 * PROMPTS_PER_RANK]
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +240,7 @@ def base_config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
 
 def _ep_configs(base: EngineConfig) -> list[EngineConfig]:
     instance_id = f"ep-{uuid.uuid4().hex[:10]}"
-    port = _free_port()
+    port = free_port()
     config = dataclasses.replace(base, instance_id=instance_id,
                                  parallel=dataclasses.replace(base.parallel, data_parallel_size=2, master_port=port))
     return [config.for_dp_rank(rank) for rank in range(2)]
