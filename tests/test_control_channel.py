@@ -11,58 +11,32 @@ answered with a ``ControlError``, and that the client reads its rank's KV-cache 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
-import threading
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import zmq
 
-from config.engine_config import EngineArgs, build_engine_config
 from config.sampling_params import SamplingParams
-from engine.engine_process import Engine, EngineAddresses
 from engine.entrypoints.engine_client import STATE_RUNNING, EngineClient
 from engine.entrypoints.tokenizer import Tokenizer, load_tokenizer
 from engine.request import CACHE_STATS, ControlError, ControlRequest, EngineRequest
 from config.model_config import default_model_path
-from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.kvcache_lock import KVCacheLock
-from inter_communicator.messages import StepBatch, StepResult
-from inter_communicator.shm import sweep_stale
+from tests.engine_harness import ScriptedEngine
 
 TIMEOUT_S = 30.0
 MAX_TOKENS = 3
 PROMPT = list(range(10, 80))  # 70 tokens: one full 64-token block (cached once finished) and a partial one
 
 
-class EngineThread:
-    """An Engine in a thread with a scripted worker; ``alive()`` etc. make it an ``EngineProcessView``."""
+class EngineThread(ScriptedEngine):
+    """A ``ScriptedEngine`` started at once; ``alive()`` etc. make it an ``EngineProcessView``."""
 
     def __init__(self, tmp_path: Path) -> None:
-        base = build_engine_config(EngineArgs(num_gpu_blocks_override=16))
-        self.config = dataclasses.replace(base, instance_id=f"cc-{uuid.uuid4().hex[:10]}")
-        self.signals = InstanceSignals(self.config, create=True)
-        self.stop_event = threading.Event()
-        self.context = zmq.Context()
-        self.threads: list[threading.Thread] = []
-        self.engine: Engine | None = None
-        try:
-            self.addresses = EngineAddresses.in_dir(str(tmp_path))
-            self.engine = Engine(self.config, self.addresses, self.stop_event)
-            self.worker_in = self.context.socket(zmq.PULL)
-            self.worker_in.connect(self.addresses.batches)
-            self.worker_out = self.context.socket(zmq.PUSH)
-            self.worker_out.connect(self.addresses.results)
-        except BaseException:
-            self.close()
-            raise
-        for target in (self.engine.run, self._run_worker):
-            thread = threading.Thread(target=target, daemon=True)
-            thread.start()
-            self.threads.append(thread)
+        super().__init__(tmp_path, "cc")
+        self.start()
 
     # EngineProcessView
     state = STATE_RUNNING
@@ -70,26 +44,7 @@ class EngineThread:
     restarts = 0
 
     def alive(self) -> bool:
-        return self.threads[0].is_alive()
-
-    def _run_worker(self) -> None:
-        while not self.stop_event.is_set():
-            if not self.worker_in.poll(100):
-                continue
-            batch: StepBatch = self.worker_in.recv_pyobj()
-            tokens = {s.request_id: 1000 + s.num_output_tokens for s in batch.seqs if s.needs_sample}
-            self.worker_out.send_pyobj(StepResult(batch.step_id, sampled_token_ids=tokens))
-
-    def close(self) -> None:
-        self.stop_event.set()
-        for thread in self.threads:
-            thread.join(10)
-        self.context.destroy(linger=0)
-        if self.engine is not None:
-            self.engine.close()
-        self.signals.close()
-        self.signals.unlink()
-        sweep_stale(self.config.instance_id)
+        return self.engine_thread_alive()
 
 
 @pytest.fixture

@@ -5,81 +5,40 @@ engine's real ipc sockets (the worker process is the boundary: it answers each s
 """
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import signal
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import zmq
 
-from config.engine_config import EngineArgs, build_engine_config
-from engine.engine_process import MAX_CONSECUTIVE_FAILURES, Engine, EngineAddresses, EngineFailed
+from engine.engine_process import MAX_CONSECUTIVE_FAILURES, EngineFailed
 from engine.request import EngineRequest, RequestOutput
 from config.sampling_params import SamplingParams
-from inter_communicator.instance_signals import InstanceSignals
-from inter_communicator.messages import StepBatch, StepResult
-from inter_communicator.shm import sweep_stale
+from tests.engine_harness import ScriptedEngine
 
 TIMEOUT_S = 30.0
 MAX_TOKENS = 3
 PROMPT = list(range(10, 80))  # 70 tokens: a full 64-token block plus a partial one
 
 
-class Harness:
-    """An Engine with the API server's and the worker's ends of its sockets."""
+class Harness(ScriptedEngine):
+    """A ``ScriptedEngine`` with the API server's ends of its sockets; started by the test."""
 
     def __init__(self, tmp_path: Path, max_num_seqs: int) -> None:
-        base = build_engine_config(EngineArgs(num_gpu_blocks_override=16, max_num_seqs=max_num_seqs))
-        self.config = dataclasses.replace(base, instance_id=f"el-{uuid.uuid4().hex[:10]}")
-        self.signals = InstanceSignals(self.config, create=True)
-        self.stop_event = threading.Event()
-        self.engine: Engine | None = None
-        self.context = zmq.Context()
-        self.threads: list[threading.Thread] = []
-        self.engine_error: BaseException | None = None
-        try:
-            addresses = EngineAddresses.in_dir(str(tmp_path))
-            self.engine = Engine(self.config, addresses, self.stop_event)
-            self.api_in = self.context.socket(zmq.PUSH)
-            self.api_in.connect(addresses.requests)
-            self.api_out = self.context.socket(zmq.PULL)
-            self.api_out.connect(addresses.outputs)
-            self.worker_in = self.context.socket(zmq.PULL)
-            self.worker_in.connect(addresses.batches)
-            self.worker_out = self.context.socket(zmq.PUSH)
-            self.worker_out.connect(addresses.results)
-        except BaseException:
-            self.close()
-            raise
         self.outputs: dict[str, list[RequestOutput]] = {}
+        super().__init__(tmp_path, "el", max_num_seqs=max_num_seqs)
+
+    def connect(self) -> None:
+        self.api_in = self.context.socket(zmq.PUSH)
+        self.api_in.connect(self.addresses.requests)
+        self.api_out = self.context.socket(zmq.PULL)
+        self.api_out.connect(self.addresses.outputs)
 
     def send(self, request_id: str, prompt: list[int] | None = PROMPT) -> None:
         self.api_in.send_pyobj(EngineRequest(request_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)))
-
-    def start(self) -> None:
-        for target in (self._run_engine, self._run_worker):
-            thread = threading.Thread(target=target, daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _run_engine(self) -> None:
-        try:
-            self.engine.run()
-        except BaseException as exc:  # reported to the test through engine_error
-            self.engine_error = exc
-
-    def _run_worker(self) -> None:
-        while not self.stop_event.is_set():
-            if not self.worker_in.poll(100):
-                continue
-            batch: StepBatch = self.worker_in.recv_pyobj()
-            tokens = {s.request_id: 1000 + s.num_output_tokens for s in batch.seqs if s.needs_sample}
-            self.worker_out.send_pyobj(StepResult(batch.step_id, sampled_token_ids=tokens))
 
     def wait_finished(self, request_ids: list[str]) -> dict[str, list[RequestOutput]]:
         deadline = time.monotonic() + TIMEOUT_S
@@ -90,20 +49,6 @@ class Harness:
             for output in self.api_out.recv_pyobj():
                 self.outputs.setdefault(output.request_id, []).append(output)
         return {r: self.outputs[r] for r in request_ids}
-
-    def engine_thread_alive(self) -> bool:
-        return self.threads[0].is_alive()
-
-    def close(self) -> None:
-        self.stop_event.set()
-        for thread in self.threads:
-            thread.join(10)
-        self.context.destroy(linger=0)
-        if self.engine is not None:
-            self.engine.close()
-        self.signals.close()
-        self.signals.unlink()
-        sweep_stale(self.config.instance_id)
 
 
 @pytest.fixture
