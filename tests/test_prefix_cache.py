@@ -69,6 +69,16 @@ def run_prefill(cache: KVCacheManager, s: Sequence) -> None:
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks + 2
 
 
+def stored_then_reset(cache: KVCacheManager, log: TransferLog) -> int:
+    """PROMPT prefilled, its 3 full blocks written to storage, freed, then the device cache reset: the next
+    PROMPT is a storage hit. Returns what ``reset`` dropped."""
+    a = seq("a", PROMPT)
+    run_prefill(cache, a)
+    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
+    cache.free(a)
+    return cache.reset()
+
+
 def test_chained_hash_depends_on_prefix_and_model():
     a = hash_full_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, "m1")
     b = hash_full_blocks([9, 2, 3, 4, 5, 6, 7, 8], 4, "m1")
@@ -145,11 +155,7 @@ def test_write_through_writes_each_new_full_block_once():
 
 def test_storage_hit_after_reset_is_prefetched_before_scheduling():
     cache, log, states = manager(storage=True)
-    a = seq("a", PROMPT)
-    run_prefill(cache, a)
-    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
-    cache.free(a)
-    assert cache.reset() == 3
+    assert stored_then_reset(cache, log) == 3
     b = seq("b", PROMPT)
     cache.admit(b)
     task = log.pop("prefetch")
@@ -166,11 +172,7 @@ def test_storage_hit_after_reset_is_prefetched_before_scheduling():
 
 def test_failed_prefetch_recomputes_from_the_first_missing_block():
     cache, log, _ = manager(storage=True)
-    a = seq("a", PROMPT)
-    run_prefill(cache, a)
-    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
-    cache.free(a)
-    cache.reset()
+    stored_then_reset(cache, log)
     b = seq("b", PROMPT)
     cache.admit(b)
     task = log.pop("prefetch")
@@ -187,11 +189,7 @@ def test_failed_prefetch_recomputes_from_the_first_missing_block():
 
 def test_fill_of_an_aborted_request_keeps_its_blocks_quarantined():
     cache, log, states = manager(num_blocks=6, storage=True)
-    a = seq("a", PROMPT)
-    run_prefill(cache, a)
-    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
-    cache.free(a)
-    cache.reset()
+    stored_then_reset(cache, log)
     b = seq("b", PROMPT)
     cache.admit(b)
     task = log.pop("prefetch")
@@ -301,11 +299,7 @@ def test_admission_counts_evictable_hits_and_the_first_chunk_after_the_prefix():
 
 def test_admission_drops_lower_tier_fills_that_do_not_fit_with_the_first_chunk():
     cache, log, _ = manager(num_blocks=4, storage=True)
-    a = seq("a", PROMPT)
-    run_prefill(cache, a)
-    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
-    cache.free(a)
-    cache.reset()
+    stored_then_reset(cache, log)
     hog = seq("hog", list(range(500, 504)))
     cache.allocate(hog, 4)  # 3 of 4 blocks left
     b = seq("b", PROMPT + [7, 7, 7])
@@ -373,11 +367,7 @@ def test_late_fill_completion_after_a_timeout_releases_the_blocks():
     clock = Clock()
     cache, log, states = manager(num_blocks=7, storage=True, clock=clock)
     sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    a = seq("a", PROMPT)
-    run_prefill(cache, a)
-    cache.on_transfer_done(TransferDone(log.pop("write_back").task_id, "write_back", ok=[True] * 3))
-    cache.free(a)
-    cache.reset()
+    stored_then_reset(cache, log)
     b = seq("b", PROMPT)
     sched.add(b)
     assert sched.schedule() is None
