@@ -38,7 +38,7 @@ import aiohttp
 
 # benchmarks/ is not a package; the SSE reader and helpers are shared with the serving benchmark.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import SSEStream, discover_model, ms, percentile, stream_error  # noqa: E402
+from serving import SSEStream, discover_model, ms, percentile, post_and_read, stream_error  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -114,29 +114,23 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
 async def send_turn(session: aiohttp.ClientSession, base_url: str, model: str, max_tokens: int,
                     request_timeout: float, result: TurnResult) -> TurnResult:
     """Stream one chat turn into ``result`` (text, token ids, TTFT, usage or the error)."""
-    timeout = aiohttp.ClientTimeout(total=request_timeout)
     start = time.perf_counter()
-    try:
-        async with session.post(f"{base_url}/v1/chat/completions", json=chat_body(model, result.messages, max_tokens),
-                                timeout=timeout) as resp:
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return result
-            stream = SSEStream(resp)
-            async for chunk in stream:
-                error = stream_error(chunk)
-                if error:
-                    result.error = error
-                    return result
-                read_chunk(chunk, result, start)
-            if not stream.done:
-                result.error = "stream ended without [DONE]"
-                return result
-    except asyncio.TimeoutError:
-        result.error = f"no complete response within --request-timeout {request_timeout}s"
+
+    async def read(resp: aiohttp.ClientResponse) -> None:
+        stream = SSEStream(resp)
+        async for chunk in stream:
+            error = stream_error(chunk)
+            if error:
+                result.error = error
+                return
+            read_chunk(chunk, result, start)
+        if not stream.done:
+            result.error = "stream ended without [DONE]"
+
+    body = chat_body(model, result.messages, max_tokens)
+    if not await post_and_read(session, f"{base_url}/v1/chat/completions", body, request_timeout, result, read):
         return result
-    except (aiohttp.ClientError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    if result.error is not None:  # an error event in the stream, or no [DONE]
         return result
     result.e2e = time.perf_counter() - start
     if not result.usage_reported:

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -87,25 +88,42 @@ def request_body(config: Config, prompt: list[int]) -> dict:
     return body
 
 
-async def send_request(session: aiohttp.ClientSession, config: Config, prompt: list[int]) -> RequestResult:
-    result = RequestResult(prompt_tokens=len(prompt))
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout)
-    start = time.perf_counter()
+async def post_and_read(session: aiohttp.ClientSession, url: str, body: dict, request_timeout: float,
+                        result: Any, read: Callable[[aiohttp.ClientResponse], Awaitable[None]]) -> bool:
+    """POST ``body`` to ``url`` and hand a 200 response to ``read``. Shared with ``multiturn.py``.
+
+    An error status, no complete response within ``request_timeout`` or a transport error becomes
+    ``result.error`` (any object with an ``error`` attribute) and False; True once ``read`` returned (it may
+    have set ``result.error`` itself).
+    """
     try:
-        async with session.post(f"{config.base_url}/v1/completions", json=request_body(config, prompt), timeout=timeout) as resp:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=request_timeout)) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 result.error = f"HTTP {resp.status}: {text}"
-                return result
-            if config.stream:
-                await read_stream(resp, result, start)
-            else:
-                read_completion(await resp.json(), result)
+                return False
+            await read(resp)
     except asyncio.TimeoutError:
-        result.error = f"no complete response within --request-timeout {config.request_timeout}s"
-        return result
+        result.error = f"no complete response within --request-timeout {request_timeout}s"
+        return False
     except (aiohttp.ClientError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return False
+    return True
+
+
+async def send_request(session: aiohttp.ClientSession, config: Config, prompt: list[int]) -> RequestResult:
+    result = RequestResult(prompt_tokens=len(prompt))
+    start = time.perf_counter()
+
+    async def read(resp: aiohttp.ClientResponse) -> None:
+        if config.stream:
+            await read_stream(resp, result, start)
+        else:
+            read_completion(await resp.json(), result)
+
+    if not await post_and_read(session, f"{config.base_url}/v1/completions", request_body(config, prompt),
+                               config.request_timeout, result, read):
         return result
     result.e2e = time.perf_counter() - start
     result.ok = result.error is None
