@@ -17,43 +17,12 @@ import httpx
 import pytest
 
 from launch import RestartBudget
+from harness.completions import assert_reference_output, complete, health, stream_until_end
 from harness.server import ServerProcess
-from harness.reference import expected_prefix, load_reference
+from harness.reference import load_reference
 
 REFERENCE = load_reference()
 RECOVERY_TIMEOUT_S = 60.0
-
-
-def health(server: ServerProcess) -> dict:
-    return httpx.get(server.base_url + "/health", timeout=10).json()
-
-
-def complete(server: ServerProcess, entry: dict, timeout: float = 120) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/completions", timeout=timeout, json={
-        "prompt": entry["prompt_ids"], "max_tokens": len(entry["output_ids"]), "temperature": 0,
-        "return_token_ids": True})
-
-
-def assert_reference_output(server: ServerProcess, entry: dict = REFERENCE[0]) -> None:
-    resp = complete(server, entry)
-    assert resp.status_code == 200, resp.text
-    ours, ref = expected_prefix(entry, resp.json()["choices"][0]["completion_token_ids"])
-    assert ours == ref
-
-
-def stream_until_end(server: ServerProcess, events: list[str], first_chunk: threading.Event) -> None:
-    body = {"prompt": REFERENCE[1]["prompt_ids"], "max_tokens": 1000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    try:
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line:
-                    events.append(line)
-                    first_chunk.set()
-    except httpx.HTTPError as exc:
-        events.append(f"transport error: {exc}")
-    finally:
-        first_chunk.set()
 
 
 def assert_ended_with_engine_error(events: list[str]) -> None:
@@ -82,7 +51,8 @@ def wait_for_restart(server: ServerProcess, old_pid: int, rank: int | None = Non
 def start_stream(server: ServerProcess) -> tuple[threading.Thread, list[str]]:
     events: list[str] = []
     got_chunk = threading.Event()
-    thread = threading.Thread(target=stream_until_end, args=(server, events, got_chunk), daemon=True)
+    thread = threading.Thread(target=stream_until_end, args=(server, events, got_chunk), daemon=True,
+                              kwargs={"prompt_ids": REFERENCE[1]["prompt_ids"], "max_tokens": 1000})
     thread.start()
     assert got_chunk.wait(60), "no token within 60 s"
     return thread, events

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from harness.completions import assert_reference_output, health, stream_until_end
 from harness.server import ServerProcess, shm_names
 from harness.reference import expected_prefix, load_reference
 
@@ -22,10 +23,6 @@ pytestmark = pytest.mark.integration
 
 REFERENCE = load_reference()
 RECOVERY_TIMEOUT_S = 60.0
-
-
-def health(server: ServerProcess) -> dict:
-    return httpx.get(server.base_url + "/health", timeout=10).json()
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -40,35 +37,12 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def assert_reference_output(server: ServerProcess, entry: dict = REFERENCE[0]) -> None:
-    resp = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
-        "prompt": entry["prompt_ids"], "max_tokens": len(entry["output_ids"]), "temperature": 0,
-        "return_token_ids": True})
-    assert resp.status_code == 200, resp.text
-    ours, ref = expected_prefix(entry, resp.json()["choices"][0]["completion_token_ids"])
-    assert ours == ref
-
-
-def stream_until_end(server: ServerProcess, events: list[str], first_chunk: threading.Event) -> None:
-    body = {"prompt": REFERENCE[1]["prompt_ids"], "max_tokens": 400, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    try:
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line:
-                    events.append(line)
-                    first_chunk.set()
-    except httpx.HTTPError as exc:
-        events.append(f"transport error: {exc}")
-    finally:
-        first_chunk.set()
-
-
 def test_worker_sigkill_fails_in_flight_requests_and_restarts():
     with ServerProcess() as server:
         events: list[str] = []
         got_chunk = threading.Event()
-        client = threading.Thread(target=stream_until_end, args=(server, events, got_chunk))
+        client = threading.Thread(target=stream_until_end, args=(server, events, got_chunk),
+                                  kwargs={"prompt_ids": REFERENCE[1]["prompt_ids"], "max_tokens": 400})
         client.start()
         assert got_chunk.wait(60)
         worker_pid = health(server)["workers"][0]["pid"]
