@@ -38,7 +38,7 @@ import aiohttp
 
 # benchmarks/ is not a package; the SSE reader and helpers are shared with the serving benchmark.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import SSEStream, discover_model, ms, percentile, post_and_read, stream_error  # noqa: E402
+from serving import SSEStream, discover_model, ms, percentile, post_and_read, stream_error, write_report  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -352,12 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except (aiohttp.ClientError, OSError, RuntimeError, asyncio.TimeoutError) as exc:
         logger.error("benchmark could not run against %s: %s", config.base_url, exc)
         return 2
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    write_report(report, args.out)
     return 1 if args.strict and failed(report) else 0
 
 

@@ -331,6 +331,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_report(report: dict, out: str | None) -> None:
+    """The JSON report on stdout and, with ``--out``, in that file too. Shared with ``multiturn.py``."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = parse_args(argv)
@@ -339,12 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     except (aiohttp.ClientError, OSError, RuntimeError, asyncio.TimeoutError) as exc:
         logger.error("benchmark could not run against %s:%s: %s", args.host, args.port, exc)
         return 2
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    write_report(report, args.out)
     return 0 if report["failed"] == 0 and report["completed"] > 0 else 1
 
 
