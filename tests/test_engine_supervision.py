@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from launch import RestartBudget
+from engine.entrypoints.engine_supervisor import RestartBudget
 from harness.completions import assert_reference_output, complete, health, stream_until_end
 from harness.server import ServerProcess
 from harness.reference import load_reference
@@ -158,7 +158,7 @@ def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
     from engine.engine_process import MAX_RESTARTS_PER_WINDOW
     from engine.entrypoints.tokenizer import load_tokenizer
     from inter_communicator.shm import sweep_stale
-    from launch import EngineReplica, EngineSupervisor
+    from engine.entrypoints.engine_supervisor import EngineReplica, EngineSupervisor
     from config.model_config import default_model_path
 
     base = build_engine_config(EngineArgs(num_gpu_blocks_override=16))

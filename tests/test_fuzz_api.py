@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from config.engine_config import EngineArgs
-from launch import ipc_dir_for
+from engine.entrypoints.server import ipc_dir_for
 from harness.server import ServerProcess, shm_names
 from harness.reference import expected_prefix, load_reference
 
