@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import zmq
 
 import envs
@@ -102,24 +103,26 @@ class WorkerSupervisor:
 
     def start_workers(self) -> None:
         """Start the workers, wait for them, then the cache transfer processes (they map the workers' memory)."""
-        for tp_rank in range(self.tp_size):
-            proc = self._spawn.Process(target=run_worker, name=f"fdserve-worker-{tp_rank}",
-                                       args=(self.config, tp_rank, *self._worker_args))
-            proc.start()
-            self.signals.worker_pid.value[tp_rank] = proc.pid
-            self.workers.append(proc)
-        self._wait_ready(self.signals.worker_ready.value, "workers")
+        self._start_ranks(run_worker, "worker", self._worker_args, self.workers, self.signals.worker_pid.value,
+                          self.signals.worker_ready.value, "workers")
         if self.transfer_socket is not None:
             self._start_cache_transfers()
 
     def _start_cache_transfers(self) -> None:
+        self._start_ranks(run_cache_transfer, "cache-transfer", self._transfer_args, self.cache_transfers,
+                          self.signals.cache_transfer_pid.value, self.signals.cache_transfer_ready.value,
+                          "cache transfer processes")
+
+    def _start_ranks(self, target: Callable[..., None], role: str, args: tuple, procs: list, pids: np.ndarray,
+                     ready: np.ndarray, what: str) -> None:
+        """One process of ``target`` per TP rank, its pid published, then wait until every rank is ready."""
         for tp_rank in range(self.tp_size):
-            proc = self._spawn.Process(target=run_cache_transfer, name=f"fdserve-cache-transfer-{tp_rank}",
-                                       args=(self.config, tp_rank, *self._transfer_args))
+            proc = self._spawn.Process(target=target, name=f"fdserve-{role}-{tp_rank}",
+                                       args=(self.config, tp_rank, *args))
             proc.start()
-            self.signals.cache_transfer_pid.value[tp_rank] = proc.pid
-            self.cache_transfers.append(proc)
-        self._wait_ready(self.signals.cache_transfer_ready.value, "cache transfer processes")
+            pids[tp_rank] = proc.pid
+            procs.append(proc)
+        self._wait_ready(ready, what)
 
     def _wait_ready(self, flags, what: str) -> None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
