@@ -122,10 +122,10 @@ class Engine:
         )
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
         self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
-        # Control has its own endpoints and reply socket; its requests are read by the same
-        # socket as generation requests (bound to both addresses), so the loop answers them
-        # between steps, never while the scheduler or the cache is mid-change.
-        self.request_socket.bind(addresses.control_requests)
+        # Control has its own channel (a request and a reply socket); the loop reads it beside the
+        # generation requests, so commands are answered between steps, never while the scheduler or the
+        # cache is mid-change.
+        self.control_socket = self._socket(zmq.PULL, addresses.control_requests)
         self.control_reply_socket = self._socket(zmq.PUSH, addresses.control_replies)
         self.batch_socket = self._socket(zmq.PUSH, addresses.batches)
         self.result_socket = self._socket(zmq.PULL, addresses.results)
@@ -308,15 +308,16 @@ class Engine:
             self.supervisor.check_alive()
             return
         outputs: list[RequestOutput] = []
-        while True:
-            try:
-                message = self.request_socket.recv_pyobj(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            except Exception:  # an undecodable message: nobody to answer
-                logger.exception("undecodable message from the API server dropped")
-                continue
-            outputs.extend(self._handle_message_contained(message))
+        for sock in (self.control_socket, self.request_socket):
+            while True:
+                try:
+                    message = sock.recv_pyobj(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except Exception:  # an undecodable message: nobody to answer
+                    logger.exception("undecodable message from the API server dropped")
+                    continue
+                outputs.extend(self._handle_message_contained(message))
         self._send_outputs(outputs)
         self._publish_stats()
 
@@ -344,10 +345,11 @@ class Engine:
         """Block up to POLL_MS for an API message or a transfer completion; True if an API message is ready."""
         poller = zmq.Poller()
         poller.register(self.request_socket, zmq.POLLIN)
+        poller.register(self.control_socket, zmq.POLLIN)
         if self.transfer is not None:
             poller.register(self.transfer.done_socket, zmq.POLLIN)
         ready = dict(poller.poll(POLL_MS))
-        return self.request_socket in ready
+        return self.request_socket in ready or self.control_socket in ready
 
     def _handle_message(self, message: object) -> list[RequestOutput]:
         if isinstance(message, EngineRequest):
@@ -414,8 +416,8 @@ class Engine:
 
     def close(self) -> None:
         self.signals.engine_ready.value[0] = 0
-        for sock in (self.request_socket, self.output_socket, self.control_reply_socket, self.batch_socket,
-                     self.result_socket):
+        for sock in (self.request_socket, self.control_socket, self.output_socket, self.control_reply_socket,
+                     self.batch_socket, self.result_socket):
             sock.close(linger=0)
         if self.transfer is not None:
             self.transfer.close()
