@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from config.structured_output import StructuredOutputSpec
+
 
 class InvalidRequestError(ValueError):
     """A client error: becomes an HTTP 400 with this message."""
@@ -18,6 +20,20 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Logits processing (vLLM's definitions; applied batched in the worker's sampler).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # eos and stop_token_ids are banned until this many tokens were generated
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # tokenized by the API server
+    # Log-probabilities: None = off; k = the chosen token's logprob plus the k most likely alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Choices sampled from one prompt (prefilled once, KV blocks shared).
+    n: int = 1
+    structured_output: StructuredOutputSpec | None = None
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from config.sampling_params import SamplingParams
+from inter_communicator.messages import TokenLogprobs
 
 
 @dataclass
@@ -42,6 +43,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # choice index (n > 1): ``finished`` is per choice; a request ends when all n did
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when sampling_params.logprobs is set
+    # Every prompt token's logprobs (None for the first token), once, in the output that ends the prefill.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 # Control commands (``ControlRequest.command``).

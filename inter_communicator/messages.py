@@ -7,8 +7,12 @@ keeps no per-request state besides the KV cache contents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from config.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -20,12 +24,34 @@ class ScheduledSeq:
     needs_sample: bool  # last token of the chunk is the sequence's newest: sample the next one
     sampling_params: SamplingParams | None = None  # set when needs_sample
     num_output_tokens: int = 0  # tokens generated so far; seeds the sampler deterministically
+    # Set by the engine only when needs_sample and the request's sampling needs them:
+    prompt_token_ids: list[int] | None = None  # repetition_penalty
+    output_token_ids: list[int] | None = None  # penalties, bad_words
+    banned_token_ids: list[int] | None = None  # min_tokens not reached yet: eos + stop ids
+    allowed_token_bitmask: "np.ndarray | None" = None  # structured output: int32 words, bit set = allowed
+    # Prompt log-probabilities: the chunk's positions predict the next token; the one after the
+    # chunk's last position is this (None when the chunk ends the prompt, or logprobs are off).
+    next_prompt_token_id: int | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt position; None = not wanted
 
 
 @dataclass
 class StepBatch:
     step_id: int
     seqs: list[ScheduledSeq]  # sequences with one new token come first (batched decode path)
+    # Device block copies (src, dst) to run before the forward: copy-on-write of a shared partial block.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprobs:
+    """The log-probability of one chosen token and of the ``top`` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -33,6 +59,9 @@ class StepResult:
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> message (e.g. non-finite logits)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled token
+    # Per scheduled chunk: logprobs of the prompt tokens it predicts, in position order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     execute_seconds: float = 0.0
 
 

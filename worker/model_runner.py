@@ -106,7 +106,22 @@ class ModelRunner:
     @paddle.no_grad()
     def forward(self, step: PreparedStep) -> paddle.Tensor:
         """The model forward over the shared KV cache (a collective of the EP group under EP)."""
+        self._copy_blocks(step.batch.block_copies)
         return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared partial blocks: every layer's K and V of block src into dst."""
+        if not pairs:
+            return
+        num_blocks = self.config.cache.num_gpu_blocks
+        for src, dst in pairs:
+            if not (0 <= src < num_blocks and 0 <= dst < num_blocks) or src == dst:
+                raise ValueError(f"block copy {src} -> {dst} is outside the pool of {num_blocks} blocks")
+        src_ids = np.asarray([src for src, _ in pairs], dtype=np.int64)
+        dst_ids = np.asarray([dst for _, dst in pairs], dtype=np.int64)
+        # Layout [layers, 2, blocks, ...] (kv_layout.device_cache_shape).
+        cache = self.kv_segment.array
+        cache[:, :, dst_ids] = cache[:, :, src_ids]
 
     @paddle.no_grad()
     def sample_step(self, step: PreparedStep, hidden: paddle.Tensor) -> StepResult:
