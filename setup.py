@@ -37,6 +37,7 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus-client",
+        "llguidance>=1.0",  # structured output: token masks from JSON schemas, regexes and grammars
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "openai", "httpx", "aiohttp", "hypothesis"],
