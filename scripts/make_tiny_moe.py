@@ -27,7 +27,7 @@ if REPO_ROOT not in sys.path:
     # Run as `python scripts/make_tiny_moe.py` from a checkout that is not pip-installed.
     sys.path.insert(0, REPO_ROOT)
 
-from engine.entrypoints.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from engine.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from config.model_config import default_model_path  # noqa: E402
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import zmq
 
 from config.sampling_params import SamplingParams
 from engine.entrypoints.engine_client import STATE_RUNNING, EngineClient
-from engine.entrypoints.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.request import CACHE_STATS, ControlError, ControlRequest, EngineRequest
 from config.model_config import default_model_path
 from inter_communicator.kvcache_lock import KVCacheLock

@@ -156,7 +156,7 @@ def test_a_rank_beyond_its_restart_budget_stays_down_and_answers_503(tmp_path):
     from config.engine_config import EngineArgs, build_engine_config
     from engine.entrypoints.engine_client import STATE_DOWN, EngineClient
     from engine.engine_process import MAX_RESTARTS_PER_WINDOW
-    from engine.entrypoints.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     from inter_communicator.shm import sweep_stale
     from engine.entrypoints.engine_supervisor import EngineReplica, EngineSupervisor
     from config.model_config import default_model_path

@@ -26,7 +26,7 @@ import paddle  # noqa: E402
 import pytest  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from engine.entrypoints.tokenizer import load_tokenizer  # noqa: E402
+from engine.tokenizer import load_tokenizer  # noqa: E402
 from worker import attention  # noqa: E402
 from cache_manager.kv_layout import device_cache_shape  # noqa: E402
 from worker.attention import build_attention_metadata, kv_cache_views  # noqa: E402

@@ -15,7 +15,7 @@ import gguf
 import pytest
 
 from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.entrypoints.tokenizer import Tokenizer, build_byte_level_bpe, load_tokenizer
+from engine.tokenizer import Tokenizer, build_byte_level_bpe, load_tokenizer
 from harness.reference import load_reference  # noqa: E402
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.entrypoints.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

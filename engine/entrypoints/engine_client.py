@@ -37,7 +37,7 @@ import zmq
 import zmq.asyncio
 
 import envs
-from engine.entrypoints.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
                             ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
 from inter_communicator.instance_signals import InstanceSignals

@@ -90,7 +90,7 @@ def serve_http(server: Server, config: EngineConfig) -> None:
     from engine.entrypoints.http_server import create_server
     from engine.entrypoints.dp_router import DPRouter
     from engine.entrypoints.engine_client import EngineClient
-    from engine.entrypoints.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.path)
     clients = [EngineClient(tokenizer, r.addresses, r.signals, r, instance_id=r.config.instance_id,

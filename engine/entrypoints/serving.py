@@ -48,7 +48,7 @@ from engine.request import EngineRequest, RequestOutput
 
 if TYPE_CHECKING:
     from engine.entrypoints.engine_client import EngineClient
-    from engine.entrypoints.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
