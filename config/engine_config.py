@@ -49,6 +49,7 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    max_tokens_default: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -97,6 +98,9 @@ class EngineArgs:
                                  "29500 with --nnodes > 1)")
         parser.add_argument("--file-backend-storage-dir", default=None,
                             help="directory of the file storage backend (default: FILE_BACKEND_STORAGE_DIR)")
+        parser.add_argument("--max-tokens-default", type=int, default=None,
+                            help="max_tokens of a chat completion that sets none (default: up to the remaining "
+                                 "context); /v1/completions keeps OpenAI's 16")
         return parser
 
     @classmethod
@@ -179,6 +183,9 @@ class ServerConfig:
     port: int
     served_model_name: str
     api_key: str | None = None
+    # Cap of a chat completion's max_tokens when the request gives none (None: up to the remaining
+    # context, as vLLM). Completions keep OpenAI's default of 16 whatever this is.
+    max_tokens_default: int | None = None
 
 
 @dataclass
@@ -223,6 +230,8 @@ def _validate_positive(args: EngineArgs) -> None:
                  "data_parallel_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ConfigError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
         raise ConfigError(f"--num-gpu-blocks-override must be at least 1, got {args.num_gpu_blocks_override}")
     if args.kv_cache_space <= 0:
@@ -299,6 +308,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             port=args.port,
             served_model_name=_served_name(args, model_path),
             api_key=args.api_key or envs.FD_API_KEY,
+            max_tokens_default=args.max_tokens_default,
         ),
         num_threads=num_threads,
         instance_id=instance_id,
