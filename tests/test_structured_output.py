@@ -17,6 +17,7 @@ import pytest
 
 from config.model_config import default_model_path
 from config.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutputSpec
+from engine.entrypoints.structured_request import StructuredRequestError, spec_from_request
 from engine.structured_output import (
     StructuredOutputError,
     StructuredOutputManager,
@@ -271,3 +272,67 @@ def test_for_model_loads_the_tokenizer_off_the_caller() -> None:
         assert allowed_ids(manager.bitmask("late")).size >= 2
     finally:
         manager.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Request fields -> spec (engine/entrypoints/structured_request.py)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputSpec(JSON_OBJECT)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"},
+                                                                  "strict": True}}},
+     StructuredOutputSpec(JSON_SCHEMA, '{"type": "integer"}')),
+    ({"guided_json": {"type": "integer"}}, StructuredOutputSpec(JSON_SCHEMA, '{"type": "integer"}')),
+    ({"guided_json": '{"type": "integer"}'}, StructuredOutputSpec(JSON_SCHEMA, '{"type": "integer"}')),
+    ({"guided_regex": r"\d+"}, StructuredOutputSpec(REGEX, r"\d+")),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputSpec(CHOICE, '["a", "b"]')),
+    ({"guided_grammar": 'start: "x"'}, StructuredOutputSpec(GRAMMAR, 'start: "x"')),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, StructuredOutputSpec(JSON_SCHEMA, '{"type": "integer"}')),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputSpec(REGEX, "a+")),
+    ({"structured_outputs": {"choice": ["x"]}}, StructuredOutputSpec(CHOICE, '["x"]')),
+    ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutputSpec(GRAMMAR, 'start: "x"')),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutputSpec(JSON_OBJECT)),
+    # text response_format plus a guided field: one constraint only
+    ({"response_format": {"type": "text"}, "guided_regex": "a"}, StructuredOutputSpec(REGEX, "a")),
+])
+def test_request_fields_to_spec(fields, expected) -> None:
+    assert spec_from_request(fields) == expected
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type must be"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "schema is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format",
+     "must be a JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}, "strict": "yes"}}},
+     "response_format", "strict must be a boolean"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wrong"}}}},
+     "response_format", "does not compile"),
+    ({"guided_json": "{bad"}, "guided_json", "guided_json is not valid JSON"),
+    ({"guided_json": 5}, "guided_json", "must be a JSON schema"),
+    ({"guided_json": {"properties": {"a": {"$ref": "#/nowhere"}}}}, "guided_json", "does not compile"),
+    ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+    ({"guided_regex": "(a|[b-"}, "guided_regex", "unclosed character class"),
+    ({"guided_choice": "a"}, "guided_choice", "non-empty list of strings"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "empty strings"),
+    ({"guided_grammar": "start: nothing_here"}, "guided_grammar", "unknown name"),
+    ({"guided_grammar": 7}, "guided_grammar", "non-empty string"),
+    ({"structured_outputs": ["regex"]}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag is not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "takes one constraint"),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs", "structured_outputs.regex does not compile"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "structured_outputs", "only one"),
+])
+def test_bad_request_fields_are_400s_naming_the_field(fields, param, message) -> None:
+    with pytest.raises(StructuredRequestError) as info:
+        spec_from_request(fields)
+    assert info.value.param == param
+    assert message in str(info.value), str(info.value)
