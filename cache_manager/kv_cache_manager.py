@@ -104,6 +104,36 @@ class KVCacheManager:
         for _ in range(missing):
             seq.block_table.append(self.pool.take())
 
+    # ---- n > 1: a choice forks off its parent's prefilled prompt ------------------------
+
+    def fork_cost(self, parent: CacheSequence) -> int:
+        """Fresh blocks one child takes at ``fork``: a copy of the parent's partial last block, if it has one."""
+        return 1 if parent.num_computed_tokens % self.block_size else 0
+
+    def fork(self, parent: CacheSequence, child: CacheSequence) -> tuple[int, int] | None:
+        """Give ``child`` the parent's computed tokens: full blocks shared by reference, the partial one copied.
+
+        Returns the device copy (src, dst) the worker must run before the child's first step
+        writes into its own copy of the partial block (copy-on-write), or None if the parent's
+        computed tokens end on a block boundary. The caller checked ``fork_cost`` blocks are free.
+        """
+        if child.block_table:
+            raise ValueError(f"{child.request_id} forks while it still holds blocks {child.block_table}")
+        computed = parent.num_computed_tokens
+        full = computed // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.pool.share(block_id)
+            child.block_table.append(block_id)
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_computed_tokens = computed
+        if computed % self.block_size == 0:
+            return None
+        if self.num_free_blocks < 1:
+            raise BlockAllocationError(f"{child.request_id}: no block for the copy of the shared partial block")
+        fresh = self.pool.take()
+        child.block_table.append(fresh)
+        return parent.block_table[full], fresh
+
     def free(self, seq: CacheSequence) -> None:
         """Drop the sequence's references; its full hashed blocks stay cached."""
         self.transfers.cancel_fills(seq)
@@ -114,15 +144,16 @@ class KVCacheManager:
 
     # ---- admission: prefix match and fills ----------------------------------------------
 
-    def match(self, seq: CacheSequence) -> PrefixMatch:
+    def match(self, seq: CacheSequence, use_prefix_cache: bool = True) -> PrefixMatch:
         """The cached prefix ``seq`` would get: device hits, then host/storage fills. Changes nothing.
 
         At least one prompt token is always left to compute, so the first step has a
         position to sample from. Fills are limited to the blocks that are free after
         the hits were shared, so committing the match can never run out of blocks.
+        ``use_prefix_cache=False`` (prompt logprobs: every position must be computed) matches nothing.
         """
         result = PrefixMatch(clears_skip_cache=seq.skip_cache_once)
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or not use_prefix_cache:
             return result
         use_lower_tiers = not seq.skip_cache_once
         tokens = seq.token_ids_slice(0, seq.num_tokens)
@@ -152,17 +183,18 @@ class KVCacheManager:
         beyond = max(0, self.blocks_needed(computed + first_chunk) - found.num_blocks)
         return found.num_evictable_hits + len(found.fills) + beyond
 
-    def try_admit(self, seq: CacheSequence, max_new_tokens: int) -> bool:
+    def try_admit(self, seq: CacheSequence, max_new_tokens: int, use_prefix_cache: bool = True) -> bool:
         """Admit ``seq`` if its cached prefix and its first chunk (up to ``max_new_tokens``) fit now.
 
         The check runs on the need after the prefix match, so the allocation that
         follows for ``min(seq.num_uncomputed_tokens, max_new_tokens)`` tokens cannot
         fail. If even the match without lower-tier fills does not fit, nothing changes
-        and False is returned: the sequence keeps waiting.
+        and False is returned: the sequence keeps waiting. Without ``use_prefix_cache`` nothing
+        is shared from the cache (the sequence's full blocks are still registered for others).
         """
         if seq.block_table:
             raise ValueError(f"{seq.request_id} is admitted while it still holds blocks {seq.block_table}")
-        found = self.match(seq)
+        found = self.match(seq, use_prefix_cache)
         free = self.num_free_blocks
         # Fills draw fresh blocks and push the first chunk further out: drop them from the end until it fits.
         while found.fills and self.admission_cost(seq, found, max_new_tokens) > free:

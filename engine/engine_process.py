@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -22,13 +23,16 @@ from config.engine_config import EngineConfig
 from config.log import setup_logging
 from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
                             ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.scheduler import Scheduler, choices_of
+from engine.sequence import Sequence, SequenceStatus, make_choices
 from engine.supervisor import (MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, EngineFailed, RecoveryHooks, WorkerDied,
                                WorkerSupervisor)
 from inter_communicator.instance_signals import InstanceSignals
 from inter_communicator.messages import StepBatch, StepResult
 from inter_communicator.process_utils import ProcessEntry
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,7 @@ class Engine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             schedule_on_fill_start=envs.FD_KVCACHE_FAULT_EARLY_SCHEDULE,
+            structured_output=make_structured_output(config),
         )
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
         self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
@@ -152,12 +157,14 @@ class Engine:
         self._fail(list(self.scheduler.running), reason)
 
     def _fail(self, seqs: list[Sequence], reason: str, request_ids: tuple[str, ...] = ()) -> None:
-        """Abort ``seqs`` and tell the API server each one (and each of ``request_ids``) ended with ``reason``."""
+        """Abort ``seqs`` (each with its unforked choices) and tell the API server each choice (and each of
+        ``request_ids``) ended with ``reason``."""
         outputs = []
         for seq in seqs:
             self._release(seq)
-            outputs.append(RequestOutput(seq.request_id, [], finished=True, finish_reason="error",
-                                         num_prompt_tokens=seq.num_prompt_tokens, error=reason))
+            outputs.extend(RequestOutput(choice.client_id, [], finished=True, finish_reason="error",
+                                         num_prompt_tokens=choice.num_prompt_tokens, error=reason,
+                                         index=choice.index) for choice in choices_of(seq))
         for request_id in request_ids:
             outputs.append(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason))
         self._send_outputs(outputs)
@@ -167,7 +174,8 @@ class Engine:
         try:
             if self.scheduler.abort(seq.request_id) is None and seq.status is not SequenceStatus.FINISHED:
                 self.cache.free(seq)
-                seq.status = SequenceStatus.FINISHED
+                for choice in choices_of(seq):
+                    choice.status = SequenceStatus.FINISHED
         except Exception:  # the request is failed either way; its blocks may leak, say so
             logger.exception("could not release the blocks of %s", seq.request_id)
 
@@ -218,6 +226,7 @@ class Engine:
         self._receive_requests(block=idle)
         self._service_cache()
         batch = self._schedule()
+        self._send_outputs(self.scheduler.take_outputs())
         if batch is None:
             # Nothing runnable: wait for a request or (while fills run) a transfer completion.
             return not self._iteration_failed
@@ -249,17 +258,19 @@ class Engine:
 
     def _update(self, batch: StepBatch, result: StepResult) -> list[RequestOutput] | None:
         """``scheduler.update(result)``; if it raises, the step's sequences fail and None is returned."""
+        step_seqs = self.scheduler.inflight_sequences(batch.step_id)
         try:
             if self._fault_update and any(self._fault_update in s.request_id for s in batch.seqs):
                 raise RuntimeError(f"injected fault (FD_ENGINE_FAULT_RAISE_IN_UPDATE={self._fault_update!r})")
             return self.scheduler.update(result)
         except Exception as exc:
             self.scheduler.discard_inflight()
-            step_ids = {s.request_id for s in batch.seqs}
-            held = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.request_id in step_ids]
-            # A sequence that finished inside the failed update lost its output: it gets the error too.
-            lost = tuple(step_ids - {s.request_id for s in held})
-            self._contain(f"processing the results of step {batch.step_id}", exc, held, lost)
+            live = {id(s) for s in list(self.scheduler.running) + list(self.scheduler.waiting)}
+            held = [s for s in step_seqs if id(s) in live]
+            # A sequence that finished inside the failed update lost its output: it gets the error too
+            # (released again is a no-op for a finished sequence).
+            lost = [s for s in step_seqs if id(s) not in live]
+            self._contain(f"processing the results of step {batch.step_id}", exc, held + lost)
             return None
 
     def _contain(self, what: str, exc: Exception, seqs: list[Sequence], request_ids: tuple[str, ...] = ()) -> None:
@@ -336,10 +347,12 @@ class Engine:
                 self.control_reply_socket.send_pyobj(ControlError(request_id, error))
                 return []
             held = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting)
-                    if s.request_id == request_id]
+                    if s.client_id == request_id]
             for seq in held:
                 self._release(seq)
-            return [RequestOutput(request_id, [], finished=True, finish_reason="error", error=error)]
+            choices = [choice for seq in held for choice in choices_of(seq)] or [None]
+            return [RequestOutput(request_id, [], finished=True, finish_reason="error", error=error,
+                                  index=choice.index if choice is not None else 0) for choice in choices]
 
     def _wait_for_input(self) -> bool:
         """Block up to POLL_MS for an API message or a transfer completion; True if an API message is ready."""
@@ -353,16 +366,15 @@ class Engine:
 
     def _handle_message(self, message: object) -> list[RequestOutput]:
         if isinstance(message, EngineRequest):
-            seq = Sequence(message.request_id, list(message.prompt_token_ids), message.sampling_params,
-                           tuple(message.eos_token_ids), message.arrival_time)
+            seq = make_choices(message.request_id, list(message.prompt_token_ids), message.sampling_params,
+                               tuple(message.eos_token_ids), message.arrival_time)
             rejected = self.scheduler.add(seq)
             return [rejected] if rejected else []
         if isinstance(message, AbortRequest):
-            seq = self.scheduler.abort(message.request_id)
-            if seq is None:
-                return []
-            return [RequestOutput(seq.request_id, [], finished=True, finish_reason="abort",
-                                  num_prompt_tokens=seq.num_prompt_tokens)]
+            # Every choice still waiting or running (forked or not) ends, each with its own output.
+            return [RequestOutput(seq.client_id, [], finished=True, finish_reason="abort",
+                                  num_prompt_tokens=seq.num_prompt_tokens, index=seq.index)
+                    for seq in self.scheduler.abort_request(message.request_id)]
         if isinstance(message, ControlRequest):
             self.control_reply_socket.send_pyobj(self._control(message))
             return []
@@ -421,8 +433,23 @@ class Engine:
             sock.close(linger=0)
         if self.transfer is not None:
             self.transfer.close()
+        if self.scheduler.structured_output is not None:
+            self.scheduler.structured_output.close()
         self.context.term()
         self.signals.close()
+
+
+def make_structured_output(config: EngineConfig) -> "StructuredOutputManager | None":
+    """The structured-output manager for this model, or None if this build has none (such requests fail).
+
+    Constructing it returns at once: the tokenizer is converted for the grammar library off the loop.
+    """
+    try:
+        from engine.structured_output import StructuredOutputManager
+    except ImportError as exc:  # the grammar library is optional: requests carrying a spec get an error
+        logger.warning("structured output is not available: %s", exc)
+        return None
+    return StructuredOutputManager.for_model(config.model.path, config.model.vocab_size)
 
 
 def needs_cache_transfer(config: EngineConfig) -> bool:

@@ -18,9 +18,9 @@ from cache_manager.block_state import BlockState
 from cache_manager.kv_cache_manager import KVCacheManager
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from inter_communicator.messages import StepResult, TransferDone, TransferTask
+from engine.scheduler import Scheduler, choices_of
+from engine.sequence import Sequence, SequenceStatus, make_choices
+from inter_communicator.messages import StepBatch, StepResult, TokenLogprobs, TransferDone, TransferTask
 
 EOS = 2
 IN_FLIGHT_STATES = {BlockState.SWAP_OUT, BlockState.SWAP_IN, BlockState.LOAD, BlockState.WRITE_BACK}
@@ -58,6 +58,13 @@ def check_invariants(sched: Scheduler, cache: KVCacheManager, states: np.ndarray
         assert len(seq.block_hashes) <= len(seq.block_table)
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.block_table == [], (seq.request_id, seq.block_table)
+    for seq in list(sched.running) + list(sched.waiting):
+        # Unforked choices hold nothing: their blocks come from the parent at the fork.
+        for child in seq.pending_children:
+            assert child.status is SequenceStatus.WAITING and child.block_table == [], child.request_id
+            assert seq.num_computed_tokens <= seq.num_prompt_tokens - 1, seq.request_id
+    choices = sum(seq.num_choices_held for seq in sched.running)
+    assert choices <= sched.max_num_seqs, (choices, sched.max_num_seqs)
     pool, index, host_pool, transfers = cache.pool, cache.index, cache.host, cache.transfers
     free, cached = set(pool._free), set(pool._cached_lru)
     assert len(free) == len(pool._free) and not free & cached
@@ -104,6 +111,31 @@ def check_invariants(sched: Scheduler, cache: KVCacheManager, states: np.ndarray
     assert set(transfers._task_deadlines) == set(transfers._tasks)
 
 
+def choice_key(request_id: str, index: int) -> str:
+    """The internal id of a choice (the scheduler's naming): the client id for index 0."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def check_block_copies(batch: StepBatch, sched: Scheduler) -> None:
+    """Copy-on-write copies write only into blocks that exactly one running sequence holds."""
+    holders: dict[int, int] = {}
+    for seq in sched.running:
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    dsts = [dst for _, dst in batch.block_copies]
+    assert len(set(dsts)) == len(dsts), batch.block_copies
+    for src, dst in batch.block_copies:
+        assert src != dst and holders.get(dst) == 1, (src, dst, holders.get(dst))
+        assert sched.kv_cache.pool.blocks[dst].ref_count == 1
+
+
+def fake_prompt_logprobs(seq, prompt: list[int]) -> list[TokenLogprobs]:
+    """The worker's prompt logprobs for one chunk: one entry per prompt position the chunk predicts."""
+    start = seq.context_len - len(seq.token_ids)
+    count = len(seq.token_ids) - (0 if seq.next_prompt_token_id is not None else 1)
+    return [TokenLogprobs(prompt[start + 1 + j], -0.5, 1) for j in range(count) if start + 1 + j < len(prompt)]
+
+
 class Harness:
     """The engine loop's calls into scheduler and cache, minus the processes."""
 
@@ -118,19 +150,23 @@ class Harness:
         self.cache = KVCacheManager(config, self.states, submit=self.log, clock=self.clock)
         self.sched = Scheduler(self.cache, max_num_seqs, budget, max_model_len)
         self.seqs: dict[str, Sequence] = {}
-        self.finished: dict[str, str] = {}  # request id -> finish reason
+        self.finished: dict[str, str] = {}  # choice key (choice_key) -> finish reason
+        self.expected: set[str] = set()  # choice keys that must finish
+        self.prompt_lp_seen: set[str] = set()  # choice keys that received their prompt logprobs
         self.stale: list[TransferTask] = []  # tasks of a transfer process that was "restarted"
         self._next = 0
 
-    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1, prompt_logprobs: int | None = None) -> Sequence:
         self._next += 1
-        seq = Sequence(f"r{self._next}", prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,))
+        params = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs)
+        seq = make_choices(f"r{self._next}", prompt, params, eos_token_ids=(EOS,))
         rejected = self.sched.add(seq)
         if rejected is not None:
             assert rejected.finish_reason == "error" and rejected.error
             self.finished[seq.request_id] = "rejected"
         else:
             self.seqs[seq.request_id] = seq
+            self.expected.update(choice.request_id for choice in choices_of(seq))
         return seq
 
     def service(self) -> None:
@@ -157,17 +193,36 @@ class Harness:
         batch = self.sched.schedule()
         if batch is None:
             return False
-        sampled, errors = {}, {}
+        check_block_copies(batch, self.sched)
+        sampled, errors, prompt_lps = {}, {}, {}
+        running = {seq.request_id: seq for seq in self.sched.running}
         for s in batch.seqs:
+            if s.prompt_logprobs is not None:
+                prompt_lps[s.request_id] = fake_prompt_logprobs(s, running[s.request_id].prompt_token_ids)
             if rng.random() < error_p:
                 errors[s.request_id] = "worker error for this request"
             elif s.needs_sample:
                 sampled[s.request_id] = EOS if rng.random() < eos_p else rng.randrange(3, 9)
-        for out in self.sched.update(StepResult(batch.step_id, sampled_token_ids=sampled, errors=errors)):
-            if out.finished:
-                assert out.request_id not in self.finished
-                self.finished[out.request_id] = out.finish_reason
+        result = StepResult(batch.step_id, sampled_token_ids=sampled, errors=errors, prompt_logprobs=prompt_lps)
+        for out in self.sched.update(result):
+            self.check_output(out)
         return True
+
+    def check_output(self, out) -> None:
+        key = choice_key(out.request_id, out.index)
+        assert key in self.expected and key not in self.finished, (key, out)
+        parent = self.seqs[out.request_id]
+        if out.prompt_logprobs is not None:
+            # Once per choice, complete, every position in order (a recompute recorded nothing twice).
+            assert key not in self.prompt_lp_seen, key
+            self.prompt_lp_seen.add(key)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(parent.prompt_token_ids)
+            assert [e.token_id for e in out.prompt_logprobs[1:]] == parent.prompt_token_ids[1:]
+        if parent.sampling_params.prompt_logprobs is not None and (out.new_token_ids or out.finish_reason in
+                                                                   ("stop", "length")):
+            assert key in self.prompt_lp_seen, (key, out)
+        if out.finished:
+            self.finished[key] = out.finish_reason
 
     def answer(self, task: TransferTask, ok: list[bool]) -> None:
         self.cache.on_transfer_done(TransferDone(task.task_id, task.kind, ok=ok))
@@ -282,6 +337,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix = self.prefixes[which] if which < len(self.prefixes) else []
         self.h.add(prefix + extra, max_tokens)
 
+    @rule(which=st.integers(0, 2), extra=st.lists(VOCAB, min_size=0, max_size=6), max_tokens=st.integers(1, 6),
+          n=st.integers(2, 4), prompt_logprobs=st.sampled_from([None, None, 0, 2]))
+    def arrive_with_choices(self, which, extra, max_tokens, n, prompt_logprobs):
+        # n choices share the prefilled prompt (fork, copy-on-write of the partial block); a one-token
+        # prompt (no prefix, no extra) forks before any prefill.
+        prefix = self.prefixes[which] if which < len(self.prefixes) else []
+        self.h.add((prefix + extra) or [5], max_tokens, n=n, prompt_logprobs=prompt_logprobs)
+
+    @rule(which=st.integers(0, 2), extra=st.lists(VOCAB, min_size=1, max_size=6), max_tokens=st.integers(1, 6))
+    def arrive_with_prompt_logprobs(self, which, extra, max_tokens):
+        # Its prompt may be cached: it is computed anyway, every position once.
+        prefix = self.prefixes[which] if which < len(self.prefixes) else []
+        self.h.add(prefix + extra, max_tokens, prompt_logprobs=1)
+
     @precondition(lambda self: self.h.seqs)
     @rule(pick=st.integers(0, 1000), extra=st.lists(VOCAB, min_size=1, max_size=6), max_tokens=st.integers(1, 6))
     def next_turn(self, pick, extra, max_tokens):
@@ -301,8 +370,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             return  # aborts are rarer than the other rules: requests should mostly run to their end
         live = self.h.sched.running + list(self.h.sched.waiting)
         seq = live[pick % len(live)]
-        assert self.h.sched.abort(seq.request_id) is seq
-        self.h.finished[seq.request_id] = "abort"
+        live_choices = {choice.request_id for s in live if s.client_id == seq.client_id for choice in choices_of(s)}
+        aborted = self.h.sched.abort_request(seq.client_id)
+        # Every choice of the request that had not finished: running, waiting or not forked yet.
+        assert {choice.request_id for choice in aborted} == live_choices
+        for choice in aborted:
+            assert choice.status is SequenceStatus.FINISHED and choice.block_table == []
+            self.h.finished[choice.request_id] = "abort"
 
     @rule(num_steps=st.integers(1, 4), eos_p=st.sampled_from([0.0, 0.1, 0.5]),
           error_p=st.sampled_from([0.0, 0.0, 0.0, 0.2]))
@@ -354,7 +428,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.sched.discard_inflight()
         for seq in list(self.h.sched.running):
             self.h.sched.abort(seq.request_id)
-            self.h.finished[seq.request_id] = "worker died"
+            for choice in choices_of(seq):
+                self.h.finished[choice.request_id] = "worker died"
         self.h.restart_transfer_process()
         self.h.cache.forget_device_contents()
 
@@ -371,10 +446,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "h"):
             return
-        budget = 100 + sum(s.num_tokens + s.sampling_params.max_tokens for s in self.h.seqs.values()) * 4
+        budget = 100 + sum((s.num_tokens + s.sampling_params.max_tokens) * s.sampling_params.n
+                           for s in self.h.seqs.values()) * 4
         self.h.drain(self.rng, max_steps=budget)
         assert self.h.cache.summary()["transfers_in_flight"] == 0
         assert self.h.cache.num_free_blocks == self.h.cache.num_blocks
+        assert self.h.expected <= set(self.h.finished), self.h.expected - set(self.h.finished)
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None,
