@@ -6,9 +6,9 @@ import pytest
 from cache_manager.kv_cache_manager import BlockAllocationError, KVCacheManager
 from config.engine_config import CacheConfig
 from config.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from inter_communicator.messages import StepBatch, StepResult
+from engine.scheduler import STRUCTURED_OUTPUT_UNAVAILABLE, Scheduler
+from engine.sequence import Sequence, SequenceStatus, make_choices
+from inter_communicator.messages import StepBatch, StepResult, TokenLogprobs
 
 EOS = 2
 
@@ -195,3 +195,226 @@ def test_lone_sequence_that_outgrows_the_pool_ends_with_an_error_instead_of_loop
     assert "needs 3 KV blocks" in outputs[-1].error and "the pool has 2" in outputs[-1].error
     assert sum(len(o.new_token_ids) for o in outputs) == 3 and sched.num_preemptions == 0
     assert not sched.has_work() and sched.kv_cache.num_free_blocks == 2
+
+
+# ---- sampling context, logprobs, min_tokens --------------------------------------------------------
+
+
+def test_sampling_context_is_sent_only_when_the_request_uses_it():
+    sched = make_scheduler()
+    sched.add(make_seq("plain", prompt_len=3))
+    sched.add(make_seq("rep", prompt_len=3, repetition_penalty=1.2))
+    sched.add(make_seq("freq", prompt_len=3, frequency_penalty=0.5))
+    sched.add(make_seq("bad", prompt_len=3, bad_words_token_ids=[[5, 6]]))
+    sched.add(make_seq("min", prompt_len=3, min_tokens=2, stop_token_ids=[9]))
+    sched.add(make_seq("min_ignore_eos", prompt_len=3, min_tokens=1, ignore_eos=True))
+    msgs = {s.request_id: s for s in sched.schedule().seqs}
+    assert (msgs["plain"].prompt_token_ids, msgs["plain"].output_token_ids, msgs["plain"].banned_token_ids) == \
+        (None, None, None)
+    assert msgs["rep"].prompt_token_ids == [10, 11, 12] and msgs["rep"].output_token_ids == []
+    assert msgs["freq"].prompt_token_ids is None and msgs["freq"].output_token_ids == []
+    assert msgs["bad"].output_token_ids == [] and msgs["bad"].banned_token_ids is None
+    assert msgs["min"].banned_token_ids == [EOS, 9]
+    assert msgs["min_ignore_eos"].banned_token_ids is None  # eos does not stop it: nothing to ban
+    sched.update(StepResult(sched.num_steps, sampled_token_ids={r: 30 for r in msgs}))
+    msgs = {s.request_id: s for s in sched.schedule().seqs}
+    assert msgs["rep"].output_token_ids == [30] and msgs["freq"].output_token_ids == [30]
+    assert msgs["min"].banned_token_ids == [EOS, 9]  # 1 token < min_tokens 2
+    assert msgs["plain"].output_token_ids is None
+    sched.update(StepResult(sched.num_steps, sampled_token_ids={r: 31 for r in msgs}))
+    msgs = {s.request_id: s for s in sched.schedule().seqs}
+    assert msgs["min"].banned_token_ids is None and msgs["rep"].output_token_ids == [30, 31]
+
+
+def test_min_tokens_makes_eos_an_ordinary_token_until_reached():
+    sched = make_scheduler()
+    sched.add(make_seq("a", prompt_len=3, min_tokens=2, max_tokens=5))
+    first = sched.update(answer(sched.schedule(), token=EOS))[0]
+    assert first.new_token_ids == [EOS] and not first.finished
+    second = sched.update(answer(sched.schedule(), token=EOS))[0]
+    assert second.new_token_ids == [EOS] and not second.finished
+    third = sched.update(answer(sched.schedule(), token=EOS))[0]
+    assert third.finished and third.finish_reason == "stop" and third.new_token_ids == []
+
+
+def lp(token: int, logprob: float = -1.0) -> TokenLogprobs:
+    return TokenLogprobs(token, logprob, 1)
+
+
+def test_sampled_token_logprobs_follow_the_emitted_tokens_and_drop_with_the_stop_token():
+    sched = make_scheduler()
+    sched.add(make_seq("a", prompt_len=3, logprobs=2))
+    sched.add(make_seq("off", prompt_len=3))
+    batch = sched.schedule()
+    outs = {o.request_id: o for o in sched.update(StepResult(
+        batch.step_id, sampled_token_ids={"a": 20, "off": 20}, logprobs={"a": lp(20, -0.25), "off": lp(20)}))}
+    assert outs["a"].logprobs == [lp(20, -0.25)] and outs["off"].logprobs is None
+    batch = sched.schedule()
+    outs = {o.request_id: o for o in sched.update(StepResult(
+        batch.step_id, sampled_token_ids={"a": EOS, "off": 21}, logprobs={"a": lp(EOS)}))}
+    assert outs["a"].finish_reason == "stop" and outs["a"].new_token_ids == [] and outs["a"].logprobs == []
+
+
+def prompt_lp_answer(batch: StepBatch, prompts: dict[str, list[int]], token: int = 7) -> StepResult:
+    """A worker that also returns prompt logprobs: one entry per prompt position each chunk predicts."""
+    result = answer(batch, token)
+    for s in batch.seqs:
+        if s.prompt_logprobs is None:
+            continue
+        start = s.context_len - len(s.token_ids)
+        count = len(s.token_ids) - (0 if s.next_prompt_token_id is not None else 1)
+        result.prompt_logprobs[s.request_id] = [lp(prompts[s.request_id][start + 1 + j], -0.1 * (start + 1 + j))
+                                                for j in range(count)]
+    return result
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_are_sent_once_with_the_first_token():
+    sched = make_scheduler(block_size=4, budget=5, prefix_caching=True)
+    prompt = list(range(10, 22))  # 12 tokens: 3 full blocks
+    sched.add(make_seq("warm", prompt_len=12, max_tokens=1))
+    while sched.has_work():
+        sched.update(answer(sched.schedule()))
+    seq = make_seq("a", prompt_len=12, max_tokens=2, prompt_logprobs=3)
+    sched.add(seq)
+    chunks, outputs = [], []
+    while sched.has_work():
+        batch = sched.schedule()
+        s = batch.seqs[0]
+        chunks.append((s.context_len - len(s.token_ids), s.context_len, s.next_prompt_token_id, s.prompt_logprobs))
+        outputs += sched.update(prompt_lp_answer(batch, {"a": prompt}))
+    # Every prompt position computed although 2 blocks were cached; each chunk names the token after it.
+    assert chunks[:3] == [(0, 5, 15, 3), (5, 10, 20, 3), (10, 12, None, 3)]
+    assert chunks[3][3] is None  # decode steps ask for nothing
+    assert seq.num_cached_tokens == 0
+    assert outputs[0].prompt_logprobs[0] is None
+    assert [(e.token_id, round(e.logprob, 6)) for e in outputs[0].prompt_logprobs[1:]] == \
+        [(prompt[i], round(-0.1 * i, 6)) for i in range(1, 12)]
+    assert outputs[1].prompt_logprobs is None
+
+
+# ---- n > 1: one prefill, forked choices ------------------------------------------------------------
+
+
+def add_choices(sched: Scheduler, rid: str, prompt_len: int, n: int, **params) -> Sequence:
+    parent = make_choices(rid, list(range(10, 10 + prompt_len)), SamplingParams(n=n, **params), (EOS,))
+    assert sched.add(parent) is None
+    return parent
+
+
+def test_n_choices_prefill_once_share_full_blocks_and_copy_the_partial_one():
+    sched = make_scheduler(block_size=4, budget=64)
+    parent = add_choices(sched, "req", prompt_len=10, n=3, max_tokens=2, seed=7)
+    prefill = sched.schedule()
+    # The parent alone computes the prompt but its last token: 9 tokens, 3 blocks (2 full + 1 partial).
+    assert [(s.request_id, len(s.token_ids), s.needs_sample) for s in prefill.seqs] == [("req", 9, False)]
+    assert sched.update(answer(prefill)) == []
+    fork = sched.schedule()
+    assert [(s.request_id, s.token_ids, s.context_len, s.needs_sample) for s in fork.seqs] == \
+        [(rid, [19], 10, True) for rid in ("req", "req#1", "req#2")]
+    tables = {s.request_id: s.block_table for s in fork.seqs}
+    full = parent.block_table[:2]
+    assert tables["req#1"][:2] == full and tables["req#2"][:2] == full
+    assert [b.ref_count for b in (sched.kv_cache.pool.blocks[i] for i in full)] == [3, 3]
+    partial = parent.block_table[2]
+    assert fork.block_copies == [(partial, tables["req#1"][2]), (partial, tables["req#2"][2])]
+    assert len({tables["req"][2], tables["req#1"][2], tables["req#2"][2]}) == 3
+    assert sched.kv_cache.num_used_blocks == 5  # 3 separate requests would hold 9
+    # Each choice samples with its own seed stream.
+    assert [s.sampling_params.seed for s in fork.seqs] == [7, 8, 9]
+    outs = sched.update(StepResult(fork.step_id, sampled_token_ids={"req": 30, "req#1": 31, "req#2": EOS}))
+    assert [(o.request_id, o.index, o.new_token_ids, o.finish_reason) for o in outs] == \
+        [("req", 0, [30], None), ("req", 1, [31], None), ("req", 2, [], "stop")]
+    outs = sched.update(answer(sched.schedule(), token=40))
+    assert sorted((o.index, o.new_token_ids, o.finish_reason) for o in outs) == \
+        [(0, [40], "length"), (1, [40], "length")]
+    assert not sched.has_work() and sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def test_n_choices_of_a_block_aligned_prompt_need_no_copy():
+    sched = make_scheduler(block_size=4, budget=64)
+    add_choices(sched, "req", prompt_len=9, n=2, max_tokens=1)
+    sched.update(answer(sched.schedule()))
+    fork = sched.schedule()
+    assert fork.block_copies == [] and [s.context_len for s in fork.seqs] == [9, 9]
+    assert fork.seqs[0].block_table[:2] == fork.seqs[1].block_table[:2]
+    assert fork.seqs[0].block_table[2] != fork.seqs[1].block_table[2]
+
+
+def test_n_choices_of_a_one_token_prompt_start_at_once():
+    sched = make_scheduler(block_size=4)
+    add_choices(sched, "req", prompt_len=1, n=3, max_tokens=1)
+    batch = sched.schedule()
+    assert [(s.request_id, s.token_ids, s.needs_sample) for s in batch.seqs] == \
+        [("req", [10], True), ("req#1", [10], True), ("req#2", [10], True)]
+    assert batch.block_copies == []
+    outs = sched.update(answer(batch))
+    assert [(o.index, o.finish_reason) for o in outs] == [(0, "length"), (1, "length"), (2, "length")]
+
+
+def test_max_num_seqs_counts_choices_and_n_above_it_is_rejected():
+    sched = make_scheduler(max_num_seqs=4, budget=64)
+    rejected = sched.add(make_choices("big", [10, 11], SamplingParams(n=5), (EOS,)))
+    assert rejected.finish_reason == "error" and "max-num-seqs" in rejected.error
+    add_choices(sched, "a", prompt_len=5, n=3)
+    sched.add(make_seq("b", prompt_len=5))
+    sched.add(make_seq("c", prompt_len=5))
+    batch = sched.schedule()
+    # a holds 3 of the 4 slots before it forked: only b joins.
+    assert [s.request_id for s in batch.seqs] == ["a", "b"] and sched.num_waiting == 1
+
+
+def test_prompt_logprobs_with_n_choices_are_computed_once_and_sent_to_every_choice():
+    sched = make_scheduler(block_size=4, budget=64)
+    prompt = list(range(10, 16))
+    add_choices(sched, "req", prompt_len=6, n=2, max_tokens=1, prompt_logprobs=0)
+    prefill = sched.schedule()
+    assert prefill.seqs[0].next_prompt_token_id == 15  # the chunk stops before the last prompt token
+    sched.update(prompt_lp_answer(prefill, {"req": prompt}))
+    fork = sched.schedule()
+    assert [s.prompt_logprobs for s in fork.seqs] == [None, None]
+    outs = sched.update(answer(fork))
+    assert [o.index for o in outs] == [0, 1]
+    for out in outs:
+        assert out.prompt_logprobs[0] is None and [e.token_id for e in out.prompt_logprobs[1:]] == prompt[1:]
+
+
+def test_abort_of_the_client_id_ends_every_choice_forked_or_not():
+    sched = make_scheduler(block_size=4, budget=64)
+    parent = add_choices(sched, "req", prompt_len=6, n=3)
+    sched.update(answer(sched.schedule()))  # req's prefill; it forks next step
+    unforked = add_choices(sched, "other", prompt_len=6, n=2)
+    aborted = sched.abort_request("other")
+    assert [(s.request_id, s.index, s.status) for s in aborted] == \
+        [("other", 0, SequenceStatus.FINISHED), ("other#1", 1, SequenceStatus.FINISHED)]
+    assert unforked.pending_children[0].status is SequenceStatus.FINISHED
+    sched.update(answer(sched.schedule()))  # req forked and sampled once
+    aborted = sched.abort_request("req")
+    assert sorted(s.request_id for s in aborted) == ["req", "req#1", "req#2"]
+    assert parent.status is SequenceStatus.FINISHED and not sched.has_work()
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def test_fork_waits_for_copy_blocks_and_preempts_like_the_running_pass():
+    # 6 blocks of 4: req's prefill of 9 tokens takes 3, hog takes 3; the fork needs 2 copies.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    add_choices(sched, "req", prompt_len=10, n=3, max_tokens=1)
+    sched.add(make_seq("hog", prompt_len=11, max_tokens=4))
+    sched.update(answer(sched.schedule()))
+    assert sched.kv_cache.num_free_blocks == 0
+    batch = sched.schedule()
+    # hog (behind req) is preempted so that the children get their copy blocks.
+    assert [s.request_id for s in batch.seqs] == ["req", "req#1", "req#2"] and len(batch.block_copies) == 2
+    assert sched.waiting[0].request_id == "hog" and sched.num_preemptions == 1
+    outs = sched.update(answer(batch))
+    assert [(o.index, o.finish_reason) for o in outs] == [(0, "length"), (1, "length"), (2, "length")]
+    outs = []
+    while sched.has_work():
+        outs += sched.update(answer(sched.schedule()))
+    assert outs[-1].request_id == "hog" and outs[-1].finish_reason == "length"
+
+
+def test_structured_output_without_a_manager_fails_the_request():
+    from config.structured_output import JSON_OBJECT, StructuredOutputSpec
+    sched = make_scheduler()
+    out = sched.add(make_seq("a", prompt_len=3, structured_output=StructuredOutputSpec(JSON_OBJECT)))
+    assert out.finish_reason == "error" and out.error == STRUCTURED_OUTPUT_UNAVAILABLE and not sched.has_work()
