@@ -174,8 +174,20 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] != 1)
         self._step_id += 1
         self._inflight[self._step_id] = scheduled
-        return StepBatch(self._step_id, [self._to_message(seq, n) for seq, n in scheduled],
-                         block_copies=self._take_copies())
+        messages = [self._to_message(seq, n) for seq, n in scheduled]
+        self._attach_bitmasks(scheduled, messages)
+        return StepBatch(self._step_id, messages, block_copies=self._take_copies())
+
+    def _attach_bitmasks(self, scheduled: list[tuple[Sequence, int]], messages: list[ScheduledSeq]) -> None:
+        """The grammar's allowed tokens for every structured-output sequence that samples: one batched call."""
+        wanted = [(seq, msg) for (seq, _), msg in zip(scheduled, messages) if msg.needs_sample and seq.has_grammar]
+        if not wanted:
+            return
+        masks = self.structured_output.fill_bitmasks([seq.request_id for seq, _ in wanted])
+        for row, (seq, msg) in enumerate(wanted):
+            # fill_bitmasks is None only if one of them is not ready; each then gets its own (or none).
+            msg.allowed_token_bitmask = masks[row] if masks is not None else self.structured_output.bitmask(
+                seq.request_id)
 
     def _take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies to run before this step's forward.
@@ -366,8 +378,6 @@ class Scheduler:
             banned = [] if params.ignore_eos else list(seq.eos_token_ids)
             banned += [t for t in params.stop_token_ids if t not in banned]
             message.banned_token_ids = banned or None
-        if seq.has_grammar:
-            message.allowed_token_bitmask = self.structured_output.bitmask(seq.request_id)
 
     # ---- results ---------------------------------------------------------
 

@@ -418,3 +418,72 @@ def test_structured_output_without_a_manager_fails_the_request():
     sched = make_scheduler()
     out = sched.add(make_seq("a", prompt_len=3, structured_output=StructuredOutputSpec(JSON_OBJECT)))
     assert out.finish_reason == "error" and out.error == STRUCTURED_OUTPUT_UNAVAILABLE and not sched.has_work()
+
+
+# ---- structured output: the real grammar manager (llguidance) on the real tokenizer -------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from config.model_config import default_model_path
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(default_model_path())
+
+
+def grammar_manager(tokenizer, ready: bool = True):
+    """A StructuredOutputManager; with ``ready=False`` its tokenizer arrives only when the test sets it."""
+    from concurrent.futures import Future
+    from engine.structured_output import StructuredOutputManager, ll_tokenizer_from
+    ll = ll_tokenizer_from(tokenizer.backend, tokenizer.eos_token_ids, 49152)
+    source: Future = Future()
+    if ready:
+        source.set_result(ll)
+    return StructuredOutputManager(source, 49152, tokenizer_vocab_size=tokenizer.vocab_size), source, ll
+
+
+def allowed(mask) -> set[int]:
+    import numpy as np
+    return set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_structured_output_choices_are_masked_forked_and_finish_with_the_grammar(tokenizer):
+    import json
+    from config.structured_output import CHOICE, REGEX, StructuredOutputSpec
+    manager, source, ll = grammar_manager(tokenizer, ready=False)
+    try:
+        sched = Scheduler(kv_cache_manager(64, 4), 8, 64, 128, structured_output=manager)
+        spec = StructuredOutputSpec(CHOICE, json.dumps(["yes", "no"]))
+        parent = add_choices(sched, "req", prompt_len=6, n=2, max_tokens=10, structured_output=spec)
+        sched.add(make_seq("plain", prompt_len=3))
+        batch = sched.schedule()
+        # req's grammar cannot compile yet (no tokenizer): it waits, plain behind it does not.
+        assert [s.request_id for s in batch.seqs] == ["plain"] and batch.seqs[0].allowed_token_bitmask is None
+        sched.update(answer(batch, token=EOS))
+        source.set_result(ll)
+        assert manager.wait_ready("req", 30)
+        sched.update(answer(sched.schedule()))  # the parent's prefill
+        fork = sched.schedule()
+        assert [s.request_id for s in fork.seqs] == ["req", "req#1"] and "req#1" in manager
+        yes, no = tokenizer.encode("yes"), tokenizer.encode("no")
+        for msg in fork.seqs:
+            assert {yes[0], no[0]} <= allowed(msg.allowed_token_bitmask)
+            assert tokenizer.encode("maybe")[0] not in allowed(msg.allowed_token_bitmask)
+        letter_x = tokenizer.encode("x")[0]
+        outs = sched.update(StepResult(fork.step_id, sampled_token_ids={"req": yes[0], "req#1": letter_x}))
+        by_index = {o.index: o for o in outs}
+        assert by_index[1].finish_reason == "error" and "not allowed by the grammar" in by_index[1].error
+        while parent.status is SequenceStatus.RUNNING:
+            position = len(parent.output_token_ids)
+            by_index = {o.index: o for o in sched.update(answer(sched.schedule(), token=yes[position]))}
+        assert parent.output_token_ids == yes and by_index[0].finish_reason == "stop"
+        assert len(manager) == 0  # every finished choice removed its grammar state
+
+        # A grammar that fails to compile fails every choice, without a step.
+        add_choices(sched, "bad", prompt_len=3, n=2, structured_output=StructuredOutputSpec(REGEX, "(unclosed"))
+        assert manager.wait_ready("bad", 30)
+        assert sched.schedule() is None
+        outs = sched.take_outputs()
+        assert [(o.request_id, o.index, o.finish_reason) for o in outs] == [("bad", 0, "error"), ("bad", 1, "error")]
+        assert "structured output" in outs[0].error and not sched.has_work() and len(manager) == 0
+    finally:
+        manager.close()
