@@ -66,7 +66,9 @@ def grammar_of(spec: StructuredOutputSpec) -> str:
         if spec.kind == JSON_OBJECT:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if spec.kind == REGEX:
-            return LLMatcher.grammar_from_regex(spec.value)
+            # \d means [0-9] (as in vLLM's backends), not every Unicode digit: llguidance's regexes
+            # follow Rust's Unicode classes, under which a small model happily writes "🯸🯸🯸".
+            return LLMatcher.grammar_from_lark("start: /" + llguidance.regex_to_lark(spec.value, "d") + "/")
         if spec.kind == CHOICE:
             choices = json.loads(spec.value)
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):

@@ -336,3 +336,10 @@ def test_bad_request_fields_are_400s_naming_the_field(fields, param, message) ->
         spec_from_request(fields)
     assert info.value.param == param
     assert message in str(info.value), str(info.value)
+
+
+def test_regex_digit_class_is_ascii(manager, tokenizer) -> None:
+    manager.add("digits", StructuredOutputSpec(REGEX, r"\d{3}"))
+    assert manager.wait_ready("digits", COMPILE_TIMEOUT)
+    allowed = {tokenizer.decode([int(token)]) for token in allowed_ids(manager.bitmask("digits"))}
+    assert allowed and all(re.fullmatch(r"[0-9]+", text) for text in allowed), sorted(allowed)[:10]

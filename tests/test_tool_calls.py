@@ -321,3 +321,13 @@ def test_response_shapes() -> None:
     assert deltas[0]["tool_calls"][0] == {"index": 0, "id": calls[0].id, "type": "function",
                                           "function": {"name": "add", "arguments": ""}}
     assert deltas[1]["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a": 1, "b": 2}'}}
+
+
+def test_open_parameter_schemas_are_closed_for_decoding_only() -> None:
+    open_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}
+    request = parse_tool_request({"tools": [open_tool], "tool_choice": "required", "parallel_tool_calls": False})
+    schema = tool_call_schema(request)
+    assert schema["properties"]["arguments"]["additionalProperties"] is False
+    assert list(schema["properties"]) == ["name", "arguments"]
+    assert "additionalProperties" not in request.tools[0].openai()["function"]["parameters"]

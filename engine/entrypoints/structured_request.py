@@ -97,7 +97,8 @@ def json_schema_spec(schema: Any, label: str, param: str | None = None) -> Struc
     if not isinstance(schema, (dict, bool)):
         raise StructuredRequestError(
             f"{label} must be a JSON schema (an object), got {type(schema).__name__}", param=param)
-    return StructuredOutputSpec(JSON_SCHEMA, json.dumps(schema, ensure_ascii=False, sort_keys=True))
+    # Key order is kept: llguidance generates an object's properties in the order the schema lists them.
+    return StructuredOutputSpec(JSON_SCHEMA, json.dumps(schema, ensure_ascii=False))
 
 
 def _from_response_format(value: Any) -> StructuredOutputSpec | None:

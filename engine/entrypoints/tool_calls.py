@@ -18,7 +18,8 @@ output is a tool call if it is the call JSON (bare, in ``<tool_call>`` tags, or 
 block) naming a known tool; ``required`` = decoded under a schema (a call object whose ``name`` is one
 of the tools and whose ``arguments`` follow that tool's parameter schema; or, when
 ``parallel_tool_calls`` (the default), also a list of 1..8 such calls); named function = decoded under that function's parameter schema, the output
-is its arguments (vLLM does the same).
+is its arguments (vLLM does the same). A parameter schema of type object that does not set
+``additionalProperties`` is decoded with ``additionalProperties: false`` at its top level.
 """
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ class Tool:
     name: str
     description: str
     parameters: dict
+
+    def decoding_schema(self) -> dict:
+        """The parameter schema a call is decoded under: ``additionalProperties`` false at the top when the
+        schema leaves it open (a small model otherwise invents arguments, as OpenAI's strict mode forbids)."""
+        if self.parameters.get("type") == "object" and "additionalProperties" not in self.parameters:
+            return {**self.parameters, "additionalProperties": False}
+        return self.parameters
 
     def openai(self) -> dict[str, Any]:
         """The tool as OpenAI's request lists it (what chat templates that take tools expect)."""
@@ -130,7 +138,7 @@ def parse_tool_request(fields: Mapping[str, Any]) -> ToolRequest | None:
                           parallel=True if parallel is None else parallel)
     if request.active:
         for index, tool in enumerate(tools):
-            check_compiles(StructuredOutputSpec(JSON_SCHEMA, json.dumps(tool.parameters, sort_keys=True)),
+            check_compiles(StructuredOutputSpec(JSON_SCHEMA, json.dumps(tool.decoding_schema())),
                            f"tools[{index}].function.parameters", "tools")
     return request
 
@@ -186,16 +194,17 @@ def tool_call_spec(request: ToolRequest) -> StructuredOutputSpec | None:
     """The spec ``required`` / a named function is decoded under (None for ``auto`` and ``none``)."""
     if not request.constrained:
         return None
-    return StructuredOutputSpec(JSON_SCHEMA, json.dumps(tool_call_schema(request), sort_keys=True))
+    return StructuredOutputSpec(JSON_SCHEMA, json.dumps(tool_call_schema(request)))
 
 
 def tool_call_schema(request: ToolRequest) -> dict[str, Any]:
     """JSON schema of a valid answer: the named function's arguments, or call object(s) over all tools."""
     if request.choice == "function":
-        return request.tool(request.function_name).parameters
+        return request.tool(request.function_name).decoding_schema()
+    # "name" first: llguidance keeps the schema's property order, and the function is chosen first.
     calls = [{
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": tool.decoding_schema()},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     } for tool in request.tools]
