@@ -103,14 +103,18 @@ VALID_COMMON = {
     "stop_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "user": st.text(max_size=10),
-    "presence_penalty": st.just(0),
-    "frequency_penalty": st.just(0.0),
-    "logit_bias": st.just({}),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB_SIZE - 1).map(str), st.floats(-100, 100), max_size=3),
+    "bad_words": st.lists(VALID_TEXT, max_size=2),
+    "prompt_logprobs": st.integers(0, 3),
 }
 HOSTILE_COMMON = {
     "model": TEXT | JUNK,
@@ -122,26 +126,34 @@ HOSTILE_COMMON = {
     "stop_token_ids": st.lists(st.integers(-2, VOCAB_SIZE + 2) | BAD_TOKEN_IDS, max_size=4) | JUNK,
     "stream": JUNK,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": FLAG}) | JUNK,
-    "n": st.sampled_from([2, 0, -1]) | HUGE_INT | JUNK,
+    "n": st.sampled_from([2, 0, -1, 129]) | HUGE_INT | JUNK,
     "ignore_eos": JUNK,
     "return_token_ids": JUNK,
     "skip_special_tokens": JUNK,
     "user": TEXT | JUNK,
     "presence_penalty": FLOAT | JUNK,
     "frequency_penalty": FLOAT | JUNK,
-    "logit_bias": st.dictionaries(TEXT, FLOAT, max_size=2) | JUNK,
+    "logit_bias": st.dictionaries(TEXT, FLOAT, max_size=2) | st.dictionaries(HUGE_INT.map(str), FLOAT, max_size=2)
+    | JUNK,
+    "repetition_penalty": FLOAT | JUNK,
+    "min_p": FLOAT | JUNK,
+    "min_tokens": HUGE_INT | JUNK,
+    "bad_words": st.lists(TEXT, max_size=3) | JUNK,
+    "prompt_logprobs": HUGE_INT | JUNK,
     "max_tokens": NOT_A_BUDGET | EDGE_INTS.filter(lambda n: n < 1 or n > MAX_MODEL_LEN)
     | st.sampled_from([0, MAX_MODEL_LEN, MAX_MODEL_LEN + 1]),
-    "tools": JUNK,  # unknown to this server: ignored
+    "tools": JUNK,
+    "response_format": JUNK,
+    "unknown_field_x": JUNK,  # undeclared: ignored (and logged once)
 }
 BUDGET = st.integers(1, MAX_BUDGET)
 
 VALID_COMPLETION = {
     **VALID_COMMON,
-    "prompt": st.text(min_size=1, max_size=40) | VALID_IDS | st.lists(VALID_TEXT, min_size=1, max_size=1)
-    | st.lists(VALID_IDS, min_size=1, max_size=1),
-    "echo": st.just(False),
-    "best_of": st.just(1),
+    "prompt": st.text(min_size=1, max_size=40) | VALID_IDS | st.lists(VALID_TEXT, min_size=1, max_size=3)
+    | st.lists(VALID_IDS, min_size=1, max_size=3),
+    "echo": st.booleans(),
+    "logprobs": st.integers(0, 5),
     "add_special_tokens": st.booleans(),
 }
 HOSTILE_COMPLETION = {
@@ -174,6 +186,7 @@ VALID_CHAT = {
     "messages": st.lists(VALID_MESSAGE, min_size=1, max_size=2),
     "max_completion_tokens": BUDGET,
     "add_generation_prompt": st.booleans(),
+    "logprobs": st.booleans(),
 }
 HOSTILE_CHAT = {
     **HOSTILE_COMMON,
@@ -200,6 +213,8 @@ def valid_body(draw: st.DrawFn, path: str) -> dict[str, Any]:
     for name in sorted(valid):
         if name in REQUIRED[path] or draw(st.booleans()):
             body.setdefault(name, draw(valid[name]))
+    if "stream_options" in body:
+        body["stream"] = True  # stream_options without stream is a 400
     return body
 
 
@@ -271,8 +286,10 @@ def check_success(response: httpx.Response, chat: bool) -> None:
         return
     body = response.json()
     assert body["object"] == ("chat.completion" if chat else "text_completion"), body
-    assert len(body["choices"]) == 1 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
-    assert 0 <= body["usage"]["completion_tokens"] <= MAX_BUDGET, body["usage"]
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(len(choices))) and choices, body
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices), body
+    assert 0 <= body["usage"]["completion_tokens"] <= MAX_BUDGET * len(choices), body["usage"]
 
 
 def check_response(response: httpx.Response, raw: bytes, chat: bool, must_accept: bool = False) -> None:
@@ -284,8 +301,10 @@ def check_response(response: httpx.Response, raw: bytes, chat: bool, must_accept
     if response.status_code == 200:
         check_success(response, chat)
     else:
-        assert response.status_code in (400, 413), f"{response.status_code} {response.text[:300]} {where}"
-        check_error_body(response)
+        assert response.status_code in (400, 404, 413), f"{response.status_code} {response.text[:300]} {where}"
+        error = check_error_body(response)
+        if response.status_code == 404:
+            assert error["code"] == "model_not_found", error
 
 
 def post_raw(client: httpx.Client, path: str, raw: bytes) -> httpx.Response:
@@ -295,8 +314,8 @@ def post_raw(client: httpx.Client, path: str, raw: bytes) -> httpx.Response:
 # --- fuzzing -----------------------------------------------------------------------------------
 
 # Every field of each schema gets its own run, so none is starved of hostile values; the
-# structured prompt/messages get more. In all: 2 x 15 valid + 47 x 4 + 2 x 24 hostile + 2 x 20
-# corrupted = 306 requests.
+# structured prompt/messages get more. In all: 2 x 15 valid + 61 x 4 + 2 x 24 hostile + 2 x 20
+# corrupted = 362 requests.
 HOSTILE_FIELDS = ([(COMPLETIONS, name) for name in sorted(HOSTILE_COMPLETION) if name != "prompt"]
                   + [(CHAT, name) for name in sorted(HOSTILE_CHAT) if name != "messages"])
 
@@ -346,7 +365,11 @@ def test_body_size_limit_is_exact(client: httpx.Client, path: str) -> None:
     assert check_error_body(over)["code"] == "request_too_large"
 
 
-def test_missing_max_tokens_uses_the_rest_of_the_context(client: httpx.Client) -> None:
+def test_missing_max_tokens_defaults(client: httpx.Client) -> None:
+    # Completions: OpenAI's 16, or what the context leaves when that is less; chat: the rest of the context.
+    response = client.post(COMPLETIONS, json={"prompt": "Hi", "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
     prompt = [100] * (MAX_MODEL_LEN - 3)
     response = client.post(COMPLETIONS, json={"prompt": prompt, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text

@@ -13,9 +13,10 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.entrypoints.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, chat_completion_chunk,
-                             chat_completion_response, completion_chunk, completion_response, error_body, model_list,
-                             sse_event, usage, usage_chunk)
+from engine.entrypoints.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, chat_choice,
+                                         chat_completion_chunk, chat_completion_response, chat_delta_choice,
+                                         completion_choice, completion_chunk, completion_response, error_body,
+                                         model_list, sse_event, usage, usage_chunk)
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,21 @@ def rejected(parse, **fields: object) -> APIError:
 # --- parsing -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("Once upon a time", "Once upon a time"),
-    (["Once upon a time"], "Once upon a time"),
-    ([1, 2, 3], [1, 2, 3]),
-    ([[4, 5]], [4, 5]),
-    ([7], [7]),
+    ("Once upon a time", ["Once upon a time"]),
+    (["Once upon a time"], ["Once upon a time"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[4, 5]], [[4, 5]]),
+    ([7], [[7]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3]], [[1], [2, 3]]),
 ])
-def test_prompt_shapes_are_normalised(prompt: object, expected: object) -> None:
-    assert parse_completion(prompt=prompt).prompt == expected
+def test_prompt_shapes_are_normalised_to_a_list_of_prompts(prompt: object, expected: object) -> None:
+    assert parse_completion(prompt=prompt).prompts == expected
 
 
 @pytest.mark.parametrize("prompt", [
-    {"text": "hi"}, [], [[]], ["a", "b"], [[1], [2]], [1, "a"], [True, 2], [1.5], 5, None,
+    {"text": "hi"}, [], [[]], "", ["a", ""], [[1], []], ["a", [1]], [1, "a"], [True, 2], [1.5], [[1, 2.5]], 5, None,
+    ["x"] * 257,
 ])
 def test_bad_prompt_shapes_are_400_naming_prompt(prompt: object) -> None:
     error = rejected(parse_completion, prompt=prompt)
@@ -101,34 +105,53 @@ def test_invalid_json_and_non_object_bodies() -> None:
         assert "JSON object" in info.value.message
 
 
-def test_unknown_fields_are_ignored() -> None:
-    request = parse_completion(prompt="hi", metadata={"a": 1}, service_tier="auto", something_new=[1, 2])
-    request.check_supported()
-    assert request.prompt == "hi"
+def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.protocol"):
+        for _ in range(3):
+            request = parse_completion(prompt="hi", metadata={"a": 1}, service_tier="auto", something_new=[1, 2])
+            request.check_supported()
+    assert request.prompts == ["hi"]
+    assert [r.getMessage() for r in caplog.records].count(
+        "ignoring the unknown request field 'something_new' (logged once)") == 1
+    assert not any("metadata" in r.getMessage() for r in caplog.records)  # a declared field
 
 
 def test_chat_messages_validation() -> None:
     assert rejected(parse_chat, messages="hi").param == "messages"
     assert rejected(parse_chat, messages=[{"content": "no role"}]).param == "messages"
     assert rejected(parse_chat, messages=[]).param == "messages"
+    assert "unknown role" in rejected(parse_chat, messages=[{"role": "robot", "content": "hi"}]).message
+    assert "needs content" in rejected(parse_chat, messages=[{"role": "user"}]).message
+    assert rejected(parse_chat, messages=[{"role": "user", "content": None}]).param == "messages"
+    assert rejected(parse_chat, messages=[{"role": "assistant", "content": None, "tool_calls": []}]).param \
+        == "messages"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     request = parse_chat(messages=[{"role": "user", "content": "hi", "name": "bob"},
-                                   {"role": "assistant", "content": None, "tool_calls": []}])
+                                   {"role": "assistant", "content": None, "tool_calls": calls},
+                                   {"role": "tool", "content": "42", "tool_call_id": "c1"}])
     # Extra keys reach the chat template untouched.
     assert request.message_dicts() == [{"role": "user", "content": "hi", "name": "bob"},
-                                       {"role": "assistant", "content": None, "tool_calls": []}]
+                                       {"role": "assistant", "content": None, "tool_calls": calls},
+                                       {"role": "tool", "content": "42", "tool_call_id": "c1"}]
 
 
 # --- unsupported features ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("parse, field, value", [
-    (parse_completion, "n", 2), (parse_completion, "n", 0), (parse_chat, "n", 3),
-    (parse_completion, "logprobs", 1), (parse_chat, "logprobs", True), (parse_chat, "top_logprobs", 2),
-    (parse_completion, "echo", True), (parse_completion, "suffix", "end"), (parse_completion, "best_of", 2),
-    (parse_completion, "presence_penalty", 0.5), (parse_chat, "frequency_penalty", -1.0),
-    (parse_completion, "logit_bias", {"50256": -100}), (parse_completion, "stop", ""),
-    (parse_chat, "stop", ["ok", ""]),
+    (parse_completion, "n", 0), (parse_chat, "n", 129), (parse_completion, "logprobs", 21),
+    (parse_completion, "logprobs", -1), (parse_chat, "top_logprobs", 2), (parse_chat, "top_logprobs", 21),
+    (parse_completion, "suffix", "end"), (parse_completion, "best_of", 2), (parse_chat, "best_of", 3),
+    (parse_completion, "presence_penalty", 2.5), (parse_chat, "frequency_penalty", -2.1),
+    (parse_completion, "repetition_penalty", 0.0), (parse_chat, "min_p", 1.5), (parse_completion, "min_tokens", -1),
+    (parse_completion, "logit_bias", {"abc": 1}), (parse_completion, "logit_bias", {"-3": 1}),
+    (parse_completion, "logit_bias", {"5": 101}), (parse_completion, "stop", ""), (parse_chat, "stop", ["ok", ""]),
+    (parse_completion, "prompt_logprobs", 21), (parse_completion, "max_completion_tokens", 5),
+    (parse_completion, "max_tokens", 0), (parse_chat, "stream_options", {"include_usage": True}),
+    (parse_chat, "modalities", ["text", "audio"]), (parse_chat, "echo", True),
+    (parse_completion, "use_beam_search", True), (parse_chat, "priority", 1), (parse_chat, "cache_salt", "x"),
+    (parse_completion, "bad_words", [""]), (parse_completion, "truncate_prompt_tokens", 0),
 ])
-def test_unsupported_features_are_400(parse, field: str, value: object) -> None:
+def test_unsupported_or_out_of_range_values_are_400(parse, field: str, value: object) -> None:
     fields = {field: value}
     if parse is parse_completion:
         fields["prompt"] = "hi"
@@ -136,10 +159,17 @@ def test_unsupported_features_are_400(parse, field: str, value: object) -> None:
     assert (error.status_code, error.param) == (400, field)
 
 
-def test_supported_neutral_values_pass() -> None:
+def test_supported_and_neutral_values_pass() -> None:
     parse_completion(prompt="hi", n=1, logprobs=0, echo=False, presence_penalty=0, frequency_penalty=0.0,
-                     best_of=1, logit_bias={}, stop=[]).check_supported()
-    parse_chat(n=1, logprobs=False, top_logprobs=0).check_supported()
+                     best_of=1, logit_bias={}, stop=[], suffix="", priority=0, use_beam_search=False).check_supported()
+    parse_completion(prompt=["a", "b"], n=3, best_of=3, logprobs=5, echo=True, max_tokens=0,
+                     presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_p=0.1, min_tokens=2,
+                     logit_bias={"12": -100, " 7": 100}, prompt_logprobs=20).check_supported()
+    parse_chat(n=1, logprobs=False, top_logprobs=0, modalities=["text"], stream=True,
+               stream_options={"include_usage": True}).check_supported()
+    parse_chat(logprobs=True, top_logprobs=20, tool_choice="none", parallel_tool_calls=True, user="u",
+               metadata={"k": "v"}, store=False, service_tier="auto", prompt_cache_key="k",
+               safety_identifier="s", request_id="r").check_supported()
 
 
 def test_model_name_check() -> None:
@@ -147,7 +177,7 @@ def test_model_name_check() -> None:
         parse_completion(prompt="hi", model=name).check_model("smollm")
     with pytest.raises(APIError) as info:
         parse_completion(prompt="hi", model="gpt-4").check_model("smollm")
-    assert (info.value.status_code, info.value.code, info.value.param) == (400, "model_not_found", "model")
+    assert (info.value.status_code, info.value.code, info.value.param) == (404, "model_not_found", "model")
 
 
 # --- sampling parameters -----------------------------------------------------------------------
@@ -207,41 +237,68 @@ def test_usage_shape() -> None:
 
 
 def test_completion_response_matches_openai_schema() -> None:
-    body = completion_response("cmpl-1", 1700000000, "smollm", "Hello", "length", usage(3, 2, 0))
+    choices = [completion_choice(0, "Hello", "length"), completion_choice(1, " there", "stop")]
+    body = completion_response("cmpl-1", 1700000000, "smollm", choices, usage(3, 2, 0))
     parsed = Completion.model_validate(body)
     assert (parsed.object, parsed.choices[0].text, parsed.choices[0].finish_reason) == \
         ("text_completion", "Hello", "length")
+    assert [c.index for c in parsed.choices] == [0, 1]
     assert parsed.usage.total_tokens == 5
-    assert "prompt_token_ids" not in body["choices"][0]
+    assert "prompt_token_ids" not in body["choices"][0] and "prompt_logprobs" not in body["choices"][0]
 
 
-def test_token_ids_extension_in_responses() -> None:
-    body = completion_response("cmpl-1", 1, "m", "Hi", "stop", usage(2, 1), prompt_token_ids=[1, 2],
-                               completion_token_ids=[3])
+def test_completion_logprobs_validate_against_openai_schema() -> None:
+    # (An echoed prompt's first token has null logprobs, as OpenAI and vLLM send; the openai package's
+    # strict model has no room for that null, and its client does not validate responses with it.)
+    logprobs = {"tokens": ["Hi", " there"], "token_logprobs": [-0.1, -0.5],
+                "top_logprobs": [{"Hi": -0.1}, {" there": -0.5}], "text_offset": [0, 2]}
+    body = completion_response("cmpl-1", 1, "m", [completion_choice(0, "Hi there", "stop", logprobs=logprobs)],
+                               usage(1, 1))
+    parsed = Completion.model_validate(body)
+    assert parsed.choices[0].logprobs.token_logprobs == [-0.1, -0.5]
+    assert parsed.choices[0].logprobs.text_offset == [0, 2]
+
+
+def test_token_ids_and_prompt_logprobs_extensions_in_responses() -> None:
+    choice = completion_choice(0, "Hi", "stop", prompt_token_ids=[1, 2], completion_token_ids=[3],
+                               prompt_logprobs=[None, {"2": {"logprob": -1.0, "rank": 1, "decoded_token": "x"}}])
+    body = completion_response("cmpl-1", 1, "m", [choice], usage(2, 1))
     assert body["choices"][0]["prompt_token_ids"] == [1, 2]
     assert body["choices"][0]["completion_token_ids"] == [3]
-    chat = chat_completion_response("chatcmpl-1", 1, "m", "Hi", "stop", usage(2, 1), prompt_token_ids=[1, 2],
-                                    completion_token_ids=[3])
+    assert body["choices"][0]["prompt_logprobs"][0] is None
+    chat = chat_completion_response("chatcmpl-1", 1, "m", [chat_choice(0, "Hi", "stop", prompt_token_ids=[1, 2],
+                                                                       completion_token_ids=[3])],
+                                    usage(2, 1), prompt_logprobs=[None])
     assert (chat["choices"][0]["prompt_token_ids"], chat["choices"][0]["completion_token_ids"]) == ([1, 2], [3])
+    assert chat["prompt_logprobs"] == [None]  # vLLM puts it at the top of a chat response
 
 
 def test_chat_completion_response_matches_openai_schema() -> None:
-    body = chat_completion_response("chatcmpl-1", 1700000000, "smollm", "Hi there", "stop", usage(30, 3, 16))
+    logprobs = {"content": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                             "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}]}
+    body = chat_completion_response("chatcmpl-1", 1700000000, "smollm",
+                                    [chat_choice(0, "Hi there", "stop", logprobs=logprobs),
+                                     chat_choice(1, "Hello", "length")], usage(30, 3, 16))
     parsed = ChatCompletion.model_validate(body)
     assert parsed.object == "chat.completion"
     assert (parsed.choices[0].message.role, parsed.choices[0].message.content) == ("assistant", "Hi there")
+    assert parsed.choices[0].logprobs.content[0].top_logprobs[0].bytes == [72, 105]
+    assert parsed.choices[1].index == 1 and parsed.choices[1].logprobs is None
     assert parsed.usage.prompt_tokens_details.cached_tokens == 16
+    assert "prompt_logprobs" not in body
 
 
 def test_chat_chunks_match_openai_schema() -> None:
     first = ChatCompletionChunk.model_validate(
-        chat_completion_chunk("chatcmpl-1", 1, "m", "", role="assistant", with_usage_field=True))
+        chat_completion_chunk("chatcmpl-1", 1, "m", chat_delta_choice(2, "", role="assistant"), with_usage_field=True))
     assert (first.choices[0].delta.role, first.choices[0].delta.content, first.usage) == ("assistant", "", None)
-    middle = chat_completion_chunk("chatcmpl-1", 1, "m", "Hel", completion_token_ids=[5])
+    assert first.choices[0].index == 2
+    middle = chat_completion_chunk("chatcmpl-1", 1, "m", chat_delta_choice(0, "Hel", completion_token_ids=[5]))
     assert middle["choices"][0]["delta"] == {"content": "Hel"}
     assert middle["choices"][0]["completion_token_ids"] == [5]
-    assert "usage" not in middle
-    last = ChatCompletionChunk.model_validate(chat_completion_chunk("chatcmpl-1", 1, "m", None, finish_reason="stop"))
+    assert "usage" not in middle and "prompt_logprobs" not in middle
+    last = ChatCompletionChunk.model_validate(
+        chat_completion_chunk("chatcmpl-1", 1, "m", chat_delta_choice(0, None, finish_reason="stop")))
     assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, "stop")
     final = ChatCompletionChunk.model_validate(usage_chunk("chat.completion.chunk", "chatcmpl-1", 1, "m",
                                                            usage(5, 2)))
@@ -249,13 +306,13 @@ def test_chat_chunks_match_openai_schema() -> None:
 
 
 def test_completion_chunk_shape() -> None:
-    chunk = completion_chunk("cmpl-1", 1, "m", " world", prompt_token_ids=[1], completion_token_ids=[9],
-                             with_usage_field=True)
+    chunk = completion_chunk("cmpl-1", 1, "m", completion_choice(3, " world", None, prompt_token_ids=[1],
+                                                                 completion_token_ids=[9]), with_usage_field=True)
     assert chunk == {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                     "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": None,
+                     "choices": [{"index": 3, "text": " world", "logprobs": None, "finish_reason": None,
                                   "prompt_token_ids": [1], "completion_token_ids": [9]}],
                      "usage": None}
-    finished = Completion.model_validate(completion_chunk("cmpl-1", 1, "m", "", finish_reason="length"))
+    finished = Completion.model_validate(completion_chunk("cmpl-1", 1, "m", completion_choice(0, "", "length")))
     assert finished.choices[0].finish_reason == "length"
 
 

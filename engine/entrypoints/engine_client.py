@@ -20,6 +20,10 @@ and DP rank:
   lock, never blocks), when ``FD_USE_KVCACHE_LOCK`` is on. ``DPRouter`` gives the same calls
   across every rank, keyed or labelled by DP rank.
 
+A request with ``n`` choices gets outputs tagged with their choice ``index``; its iterator ends
+once every choice finished (an error output ends it at once), and leaving it early aborts
+the whole request (every choice).
+
 The engine process itself is supervised by launch.py (``EngineProcessView``): while it
 restarts, is down for good, or the server is stopping, ``generate`` refuses new requests
 with ``EngineUnavailableError`` (HTTP 503), and ``fail_all`` ends every request in flight
@@ -260,12 +264,17 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._register(request.request_id, queue)
         request.arrival_time = request.arrival_time or time.time()
+        # With n > 1 choices, ``finished`` is per choice: the request ends when all n finished (or on an error).
+        num_choices = max(1, request.sampling_params.n)
+        finished_choices: set[int] = set()
         finished = False
         try:
             await self._send(self._push, request)
             while not finished:
                 output = await self._next_output(queue, request.request_id)
-                finished = output.finished
+                if output.finished:
+                    finished_choices.add(output.index)
+                    finished = output.finish_reason == "error" or len(finished_choices) >= num_choices
                 yield output
         finally:
             self._unregister(request.request_id)

@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import anyio
 from fastapi import Request
@@ -35,12 +35,17 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from config.sampling_params import SamplingParams
-from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+from config.structured_output import StructuredOutputSpec
+from engine.entrypoints.choices import ChoiceDelta, ChoiceState, PromptEcho
 from engine.entrypoints.engine_client import EngineDeadError
 from engine.entrypoints.errors import OpenAIJSONResponse, unavailable_error
+from engine.entrypoints.logprobs_format import (TokenEntry, TokenTexts, chat_logprobs, completion_logprobs,
+                                                vllm_prompt_logprobs)
 from engine.entrypoints.metrics import RequestRecorder, ServerMetrics
-from engine.entrypoints.protocol import (SERVER_ERROR, SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
-                                         GenerationRequest, chat_completion_chunk, chat_completion_response,
+from engine.entrypoints.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, SERVER_ERROR, SSE_DONE,
+                                         STRUCTURED_OUTPUT_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                         GenerationRequest, chat_choice, chat_completion_chunk,
+                                         chat_completion_response, chat_delta_choice, completion_choice,
                                          completion_chunk, completion_response, error_body, sse_event, usage,
                                          usage_chunk)
 from engine.entrypoints.sse import SSEResponse
@@ -63,82 +68,115 @@ _SHUTDOWN_MESSAGE = "the server is shutting down; the request was stopped before
 
 
 # ---------------------------------------------------------------------------------------------
-# One generation: engine outputs -> text deltas
+# One generation: engine outputs of one engine request (one prompt, n choices) -> choice deltas
 
 
 class _Generation:
-    """Consumes ``engine.generate`` for one request and turns outputs into text deltas.
+    """Consumes ``engine.generate`` for one engine request and turns its outputs into ``ChoiceDelta``s.
 
-    Applies the detokenizer and the stop strings, counts tokens, and guarantees the engine
-    request is aborted whenever consumption ends before the engine finished it (stop string,
-    client gone, exception, cancellation).
+    Outputs carry their choice ``index``; each choice has its ``ChoiceState`` (detokenizer, stop
+    strings, logprobs). When the request shows its prompt (``echo``, ``prompt_logprobs``), a
+    choice's first delta waits for the prompt's logprobs, which the engine sends once, in the
+    output that ends the prefill. The engine request is aborted whenever consumption ends before
+    the engine finished it (every choice cut at a stop string, client gone, exception, cancellation).
     """
 
-    def __init__(self, engine: EngineClient, engine_request: EngineRequest, stop: list[str],
-                 skip_special_tokens: bool, recorder: RequestRecorder | None = None) -> None:
+    def __init__(self, engine: EngineClient, engine_request: EngineRequest, choices: list[ChoiceState], *,
+                 show_prompt: bool, echo: bool, recorder: RequestRecorder | None = None) -> None:
         self._engine = engine
         self._request = engine_request
+        self._choices = choices
+        self._show_prompt = show_prompt
+        self._echo = echo
+        self._prompt_logprobs_expected = engine_request.sampling_params.prompt_logprobs is not None
         self._recorder = recorder
-        self._detokenizer = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=skip_special_tokens)
-        self._stop_checker = StopChecker(stop) if stop else None
-        self.completion_tokens = 0
+        self.prompt: PromptEcho | None = None
+        self._held: dict[int, ChoiceDelta] = {}  # choice index -> deltas waiting for the prompt
+        self._prompt_shown: set[int] = set()
+        self._engine_finished: set[int] = set()  # choice indexes the engine reported finished
         self.cached_tokens = 0
-        self.finish_reason: str | None = None
         self.error: str | None = None
 
-    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
-        """Yields ``(text, new token ids, finish_reason)``; the last item carries the finish reason."""
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.completion_tokens for choice in self._choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self._choices)
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """The choices' deltas in the order the engine produced them; ends when every choice finished
+        (or with ``error`` set)."""
         outputs = self._engine.generate(self._request)
         if inspect.isawaitable(outputs):
             outputs = await outputs
-        engine_finished = False
-        raised = False
+        engine_failed = False
         try:
             async for output in outputs:
-                engine_finished = output.finished
-                text, token_ids = self._consume(output)
-                if text or token_ids or self.finish_reason is not None:
-                    yield text, token_ids, self.finish_reason
-                if self.finish_reason is not None:
+                if output.finish_reason == "error":
+                    engine_failed = True
+                    self.error = output.error or "the engine failed to run the request"
                     return
-            if self.finish_reason is None:
-                self._fail("the engine stopped sending outputs before the request finished")
-                yield "", [], self.finish_reason
-        except Exception:
-            raised = True
-            raise
+                for delta in self._consume(output):
+                    yield delta
+                if self.finished:
+                    break
+            if not self.finished:
+                self.error = "the engine stopped sending outputs before the request finished"
+                return
+            for delta in self._flush_held():
+                yield delta
         finally:
-            if self._recorder is not None:
-                self._recorder.finish("error" if raised else self.finish_reason)
-            await self._release(outputs, engine_finished)
+            # Choices cut at a stop string are still running in the engine: abort unless all ended there.
+            engine_done = engine_failed or len(self._engine_finished) >= len(self._choices)
+            await self._release(outputs, engine_done)
 
-    def _consume(self, output: RequestOutput) -> tuple[str, list[int]]:
-        if output.finish_reason == "error":
-            self._fail(output.error or "the engine failed to run the request")
-            return "", []
+    def _consume(self, output: RequestOutput) -> list[ChoiceDelta]:
         self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
-        token_ids = output.new_token_ids
-        self.completion_tokens += len(token_ids)
-        if token_ids and self._recorder is not None:
-            self._recorder.on_tokens(len(token_ids))
-        text = self._detokenizer.add(token_ids) if token_ids else ""
         if output.finished:
-            text += self._detokenizer.flush()
-        if self._stop_checker is not None:
-            text, stopped = self._stop_checker.update(text)
-            if stopped:
-                self.finish_reason = "stop"
-                return text, token_ids
-            if output.finished:
-                text += self._stop_checker.flush()
-        if output.finished:
-            # The engine reports "stop" for eos / stop token ids and "length" for max_tokens.
-            self.finish_reason = output.finish_reason or "stop"
-        return text, token_ids
+            self._engine_finished.add(output.index)
+        if self._show_prompt and self.prompt is None and (output.prompt_logprobs is not None
+                                                          or not self._prompt_logprobs_expected):
+            self.prompt = PromptEcho.build(self._engine.tokenizer, self._request.prompt_token_ids,
+                                           output.prompt_logprobs)
+        if not 0 <= output.index < len(self._choices):
+            logger.error("request %s: output for choice %d of %d dropped", self._request.request_id, output.index,
+                         len(self._choices))
+            return []
+        choice = self._choices[output.index]
+        if output.new_token_ids and self._recorder is not None and not choice.finished:
+            self._recorder.on_tokens(len(output.new_token_ids))
+        delta = choice.add(output.new_token_ids, output.logprobs, output.finished, output.finish_reason)
+        if not self._show_prompt or output.index in self._prompt_shown:
+            return [] if delta.empty else [self._shifted(delta)]
+        # A choice's first deltas wait until the prompt (with its logprobs) is known.
+        held = self._held.get(output.index)
+        if held is None:
+            self._held[output.index] = delta
+        else:
+            held.merge(delta)
+        return [] if self.prompt is None else self._flush_held()
 
-    def _fail(self, message: str) -> None:
-        self.error = message
-        self.finish_reason = "error"
+    def _flush_held(self) -> list[ChoiceDelta]:
+        if self._show_prompt and self.prompt is None:
+            logger.warning("request %s: the engine sent no prompt logprobs; the prompt is shown without them",
+                           self._request.request_id)
+            self.prompt = PromptEcho.build(self._engine.tokenizer, self._request.prompt_token_ids, None)
+        held, self._held = self._held, {}
+        ready: list[ChoiceDelta] = []
+        for index in sorted(held):
+            self._prompt_shown.add(index)
+            held[index].prompt = self.prompt
+            ready.append(self._shifted(held[index]))
+        return ready
+
+    def _shifted(self, delta: ChoiceDelta) -> ChoiceDelta:
+        # With echo the choice's text starts with the prompt: completion offsets move past it.
+        if self._echo and self.prompt is not None and self.prompt.text:
+            base = len(self.prompt.text)
+            delta.entries = [TokenEntry(e.token_id, e.logprobs, e.offset + base) for e in delta.entries]
+        return delta
 
     async def _release(self, outputs: Any, engine_finished: bool) -> None:
         # Shielded: this also runs when the stream task is being cancelled (client gone), and
@@ -154,26 +192,106 @@ class _Generation:
                 logger.exception("could not abort request %s in the engine", self._request.request_id)
 
 
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """The items of several delta streams (one per prompt of a batched request) as they come.
+
+    Closing this generator cancels the pumps, whose streams then abort their engine requests.
+    """
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait(item)
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Request preparation
 
 
 @dataclass
 class _Prepared:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine: one engine request per prompt."""
 
     request_id: str
     created: int
-    prompt_token_ids: list[int]
-    engine_request: EngineRequest
     parsed: GenerationRequest
+    engine_requests: list[EngineRequest]
+    echo_only: bool  # echo with max_tokens=0: the generated token is dropped
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [request.prompt_token_ids for request in self.engine_requests]
+
+
+def _structured_output_spec(parsed: GenerationRequest) -> StructuredOutputSpec | None:
+    """The structured-output constraint of a request (``response_format``, ``guided_*``,
+    ``structural_tag``, ``structured_outputs``), or None.
+
+    Not implemented yet: any of these fields set to a value that would constrain the output is a
+    400 naming it (``response_format`` ``{"type": "text"}`` is the unconstrained default).
+    """
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        value = getattr(parsed, name)
+        if value is None:
+            continue
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        raise APIError(f"{name} is not supported yet", param=name)
+    return None
+
+
+def _tool_call_spec(parsed: ChatCompletionRequest) -> None:
+    """Tools of a chat request (``tools``, ``tool_choice``, ``functions``, ``function_call``).
+
+    Not implemented yet: tools offered to the model are a 400 naming the field; without tools,
+    ``tool_choice`` "none"/"auto" and ``parallel_tool_calls`` change nothing and are accepted.
+    """
+    if parsed.tools:
+        raise APIError("tools are not supported yet", param="tools")
+    if parsed.functions:
+        raise APIError("functions are not supported yet", param="functions")
+    if parsed.tool_choice not in (None, "none", "auto"):
+        raise APIError("tool_choice is not supported yet (no tools)", param="tool_choice")
+    if parsed.function_call not in (None, "none", "auto"):
+        raise APIError("function_call is not supported yet (no functions)", param="function_call")
 
 
 class OpenAIServing:
     """State and handlers behind the routes of ``build_app``."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_model_len: int,
-                 max_request_bytes: int, metrics: ServerMetrics | None = None) -> None:
+                 max_request_bytes: int, metrics: ServerMetrics | None = None,
+                 max_tokens_default: int | None = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if max_request_bytes < 1:
@@ -183,6 +301,8 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
+        # Caps a chat completion's default budget (--max-tokens-default); None: the rest of the context.
+        self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
         self.draining = False
 
@@ -257,11 +377,18 @@ class OpenAIServing:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def completion_prompt(self, parsed: CompletionRequest) -> list[int]:
-        if isinstance(parsed.prompt, str):
-            return await self._encode(parsed.prompt, bool(parsed.add_special_tokens))
-        self._check_token_ids(parsed.prompt, "prompt")
-        return list(parsed.prompt)
+    async def completion_prompts(self, parsed: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt of a (maybe batched) completions request."""
+        # add_special_tokens defaults to true on /v1/completions (vLLM): BOS if the model wants one.
+        add_special = parsed.add_special_tokens is not False
+        prompts: list[list[int]] = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                prompts.append(await self._encode(prompt, add_special))
+            else:
+                self._check_token_ids(prompt, "prompt")
+                prompts.append(list(prompt))
+        return prompts
 
     async def chat_prompt(self, parsed: ChatCompletionRequest) -> list[int]:
         try:
@@ -269,8 +396,8 @@ class OpenAIServing:
                                                       add_generation_prompt=bool(parsed.add_generation_prompt))
         except ValueError as exc:  # InvalidRequestError included: malformed messages
             raise APIError(str(exc), param="messages") from None
-        # The template writes every special token itself.
-        return await self._encode(text, False)
+        # The template writes every special token itself; add_special_tokens adds the tokenizer's on top.
+        return await self._encode(text, bool(parsed.add_special_tokens))
 
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size
@@ -279,32 +406,60 @@ class OpenAIServing:
             raise APIError(f"token id {bad} in {param} is out of range: ids must be in [0, {vocab_size})",
                            param=param)
 
-    # -- request -> engine request
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of ``bad_words``: each word as written and with a leading space (the
+        form it takes after another word), each form once."""
+        forms: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip(" ")):
+                ids = self.tokenizer.encode(text, False)
+                if ids and ids not in forms:
+                    forms.append(ids)
+        return forms
 
-    def prepare(self, parsed: GenerationRequest, prompt_token_ids: list[int], id_prefix: str,
+    # -- request -> engine requests
+
+    def prepare(self, parsed: GenerationRequest, prompts: list[list[int]], id_prefix: str,
                 prompt_param: str) -> _Prepared:
-        if not prompt_token_ids:
-            raise APIError("The prompt is empty: it must contain at least one token", param=prompt_param)
+        """One engine request per prompt, with validated sampling parameters (400 on any problem)."""
         if parsed.stop_token_ids:
             self._check_token_ids(parsed.stop_token_ids, "stop_token_ids")
-        sampling_params = self._sampling_params(parsed, len(prompt_token_ids), prompt_param)
+        structured_output = _structured_output_spec(parsed)
+        bad_words = self.bad_words_token_ids(parsed.bad_words) if parsed.bad_words else []
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        engine_request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                       sampling_params=sampling_params,
-                                       eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                       arrival_time=time.time())
-        return _Prepared(request_id, int(time.time()), prompt_token_ids, engine_request, parsed)
+        engine_requests: list[EngineRequest] = []
+        for position, prompt in enumerate(prompts):
+            if parsed.truncate_prompt_tokens is not None:
+                prompt = prompt[-parsed.truncate_prompt_tokens:]
+            if not prompt:
+                raise APIError("The prompt is empty: it must contain at least one token", param=prompt_param)
+            sampling_params = self._sampling_params(parsed, len(prompt), prompt_param)
+            sampling_params.bad_words_token_ids = [list(ids) for ids in bad_words]
+            sampling_params.structured_output = structured_output
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{position}"
+            engine_requests.append(EngineRequest(request_id=engine_id, prompt_token_ids=prompt,
+                                                 sampling_params=sampling_params,
+                                                 eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                                                 arrival_time=time.time()))
+        echo_only = parsed.echo_prompt and parsed.requested_max_tokens == 0
+        return _Prepared(request_id, int(time.time()), parsed, engine_requests, echo_only)
+
+    def _default_max_tokens(self, parsed: GenerationRequest, room: int) -> int:
+        if isinstance(parsed, CompletionRequest):
+            return min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)  # OpenAI's default
+        # Chat: what the context leaves (vLLM), capped by the server's --max-tokens-default.
+        return room if self.max_tokens_default is None else min(room, self.max_tokens_default)
 
     def _sampling_params(self, parsed: GenerationRequest, num_prompt: int, prompt_param: str) -> SamplingParams:
-        """Validated sampling parameters whose max_tokens fits the context (default: all that is left)."""
+        """Validated sampling parameters whose max_tokens fits the context."""
         requested = parsed.requested_max_tokens
         if requested is None:
-            # The default max_tokens is what the prompt leaves: a prompt that fills the context
-            # would make it 0, so its length is the problem to report.
+            # A prompt that fills the context would leave a budget of 0: its length is the problem to report.
             self._check_prompt_fits(num_prompt, prompt_param)
-            return parsed.to_sampling_params(self.max_model_len - num_prompt)
+            return parsed.to_sampling_params(self._default_max_tokens(parsed, self.max_model_len - num_prompt),
+                                             self.tokenizer.vocab_size)
         # Value checks before length checks: max_tokens=-1 is reported as such, not as a length problem.
-        sampling_params = parsed.to_sampling_params(requested)
+        sampling_params = parsed.to_sampling_params(requested, self.tokenizer.vocab_size)
         self._check_prompt_fits(num_prompt, prompt_param)
         if num_prompt + requested > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -323,6 +478,8 @@ class OpenAIServing:
     def check(self, parsed: GenerationRequest) -> None:
         parsed.check_supported()
         parsed.check_model(self.served_model_name)
+        if isinstance(parsed, ChatCompletionRequest):
+            _tool_call_spec(parsed)
 
     # -- handlers
 
@@ -331,8 +488,7 @@ class OpenAIServing:
         self.check_accepting()
         parsed = CompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
-        prompt_token_ids = await self.completion_prompt(parsed)
-        prepared = self.prepare(parsed, prompt_token_ids, "cmpl", "prompt")
+        prepared = self.prepare(parsed, await self.completion_prompts(parsed), "cmpl", "prompt")
         return await self._respond(request, prepared, chat=False, started=started)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -340,105 +496,119 @@ class OpenAIServing:
         self.check_accepting()
         parsed = ChatCompletionRequest.parse(await self.read_body(request))
         self.check(parsed)
-        prompt_token_ids = await self.chat_prompt(parsed)
-        prepared = self.prepare(parsed, prompt_token_ids, "chatcmpl", "messages")
+        prepared = self.prepare(parsed, [await self.chat_prompt(parsed)], "chatcmpl", "messages")
         return await self._respond(request, prepared, chat=True, started=started)
 
-    async def _respond(self, request: Request, prepared: _Prepared, chat: bool, started: float) -> Response:
+    def _generations(self, prepared: _Prepared, recorder: RequestRecorder | None) -> list[_Generation]:
         parsed = prepared.parsed
+        n = parsed.num_choices
+        generations = []
+        for position, engine_request in enumerate(prepared.engine_requests):
+            choices = [ChoiceState(position * n + i, self.tokenizer, parsed.stop_strings,
+                                   skip_special_tokens=bool(parsed.skip_special_tokens),
+                                   include_stop_str=bool(parsed.include_stop_str_in_output),
+                                   drop_generated=prepared.echo_only) for i in range(n)]
+            generations.append(_Generation(self.engine, engine_request, choices,
+                                           show_prompt=parsed.echo_prompt or parsed.prompt_logprobs is not None,
+                                           echo=parsed.echo_prompt, recorder=recorder))
+        return generations
+
+    async def _respond(self, request: Request, prepared: _Prepared, chat: bool, started: float) -> Response:
         recorder = None
         if self.metrics is not None:
             endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-            recorder = self.metrics.start_request(endpoint, len(prepared.prompt_token_ids), started)
-        generation = _Generation(self.engine, prepared.engine_request, parsed.stop_strings,
-                                 skip_special_tokens=bool(parsed.skip_special_tokens), recorder=recorder)
-        if parsed.stream:
-            events = self._stream_events(prepared, generation, chat)
+            recorder = self.metrics.start_request(endpoint, sum(len(p) for p in prepared.prompts), started)
+        generations = self._generations(prepared, recorder)
+        formatter = _ChoiceFormatter(self.tokenizer, prepared, chat)
+        if prepared.parsed.stream:
+            events = self._stream_events(prepared, generations, formatter, recorder)
             return SSEResponse(events, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, prepared, generation, chat)
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, prepared, generations, formatter, recorder)
 
-    async def _complete(self, request: Request, prepared: _Prepared, generation: _Generation,
-                        chat: bool) -> Response:
-        texts: list[str] = []
-        token_ids: list[int] = []
+    async def _complete(self, request: Request, prepared: _Prepared, generations: list[_Generation],
+                        formatter: "_ChoiceFormatter", recorder: RequestRecorder | None) -> Response:
+        results: dict[int, ChoiceDelta] = {}
 
         async def collect() -> None:
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for text, new_ids, _finish in deltas:
-                    texts.append(text)
-                    token_ids.extend(new_ids)
+            async with contextlib.aclosing(_merged([g.deltas() for g in generations])) as deltas:
+                async for delta in deltas:
+                    if delta.index in results:
+                        results[delta.index].merge(delta)
+                    else:
+                        results[delta.index] = delta
+                    if _first_error(generations) is not None:
+                        break
 
-        finished = await _run_until_disconnect(request, collect)
+        try:
+            finished = await _run_until_disconnect(request, collect)
+        finally:
+            if recorder is not None:
+                recorder.finish(_overall_finish(generations, results.values()))
         if not finished:
             logger.info("client of %s went away; request aborted", prepared.request_id)
             return Response(status_code=499)
-        if generation.error is not None:
-            logger.error("request %s failed in the engine: %s", prepared.request_id, generation.error)
-            if self.draining and generation.error == _SHUTDOWN_MESSAGE:
-                raise unavailable_error(generation.error)
-            raise APIError(generation.error, status_code=500, error_type=SERVER_ERROR, code="engine_error")
-        usage_ = usage(len(prepared.prompt_token_ids), generation.completion_tokens, generation.cached_tokens)
-        ids = prepared.parsed.return_token_ids
-        build = chat_completion_response if chat else completion_response
-        body = build(prepared.request_id, prepared.created, self.served_model_name, "".join(texts),
-                     generation.finish_reason, usage_,
-                     prompt_token_ids=prepared.prompt_token_ids if ids else None,
-                     completion_token_ids=token_ids if ids else None)
+        error = _first_error(generations)
+        if error is not None:
+            logger.error("request %s failed in the engine: %s", prepared.request_id, error)
+            if self.draining and error == _SHUTDOWN_MESSAGE:
+                raise unavailable_error(error)
+            raise APIError(error, status_code=500, error_type=SERVER_ERROR, code="engine_error")
+        choices = [formatter.final_choice(results[index]) for index in sorted(results)]
+        usage_ = _usage(prepared, generations)
+        if formatter.chat:
+            body = chat_completion_response(prepared.request_id, prepared.created, self.served_model_name, choices,
+                                            usage_, prompt_logprobs=formatter.chat_prompt_logprobs(results.values()))
+        else:
+            body = completion_response(prepared.request_id, prepared.created, self.served_model_name, choices,
+                                       usage_)
         return OpenAIJSONResponse(body)
 
-    async def _stream_events(self, prepared: _Prepared, generation: _Generation, chat: bool) -> AsyncIterator[bytes]:
+    async def _stream_events(self, prepared: _Prepared, generations: list[_Generation],
+                             formatter: "_ChoiceFormatter", recorder: RequestRecorder | None) -> AsyncIterator[bytes]:
         parsed = prepared.parsed
-        with_ids = bool(parsed.return_token_ids)
         include_usage = parsed.include_usage
         request_id, created, model = prepared.request_id, prepared.created, self.served_model_name
-        prompt_ids_pending = with_ids
+        seen: list[ChoiceDelta] = []
+        error: str | None = None
         try:
-            if chat:
+            if formatter.chat:
                 # The role goes out at once: clients see the stream open before the first token.
-                yield sse_event(chat_completion_chunk(
-                    request_id, created, model, "", role="assistant",
-                    prompt_token_ids=prepared.prompt_token_ids if with_ids else None,
-                    completion_token_ids=[] if with_ids else None, with_usage_field=include_usage))
-                prompt_ids_pending = False
-            # aclosing: when this generator is closed (client gone) the engine request is aborted now.
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for text, token_ids, finish_reason in deltas:
-                    if finish_reason == "error":
+                for index in range(len(prepared.engine_requests) * parsed.num_choices):
+                    yield sse_event(chat_completion_chunk(request_id, created, model, formatter.role_choice(index),
+                                                          with_usage_field=include_usage))
+            # aclosing: when this generator is closed (client gone) the engine requests are aborted now.
+            async with contextlib.aclosing(_merged([g.deltas() for g in generations])) as deltas:
+                async for delta in deltas:
+                    if _first_error(generations) is not None:
                         break
-                    if not text and finish_reason is None and not with_ids:
+                    if not formatter.worth_sending(delta):
                         continue  # only part of a character so far
-                    yield sse_event(self._chunk(prepared, chat, text, token_ids, finish_reason, prompt_ids_pending))
-                    prompt_ids_pending = False
+                    seen.append(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))
+                    choice = formatter.chunk_choice(delta)
+                    if formatter.chat:
+                        chunk = chat_completion_chunk(request_id, created, model, choice,
+                                                      with_usage_field=include_usage,
+                                                      prompt_logprobs=formatter.chat_prompt_logprobs([delta]))
+                    else:
+                        chunk = completion_chunk(request_id, created, model, choice, with_usage_field=include_usage)
+                    yield sse_event(chunk)
+            error = _first_error(generations)
         except EngineDeadError as exc:  # the rank went away between the check and the send
-            generation.error = str(exc)
+            error = str(exc)
         except Exception as exc:
             logger.exception("stream of request %s failed", request_id)
-            generation.error = f"internal error while streaming: {exc}"
-        if generation.error is not None:
-            logger.error("request %s failed in the engine: %s", request_id, generation.error)
-            yield sse_event(error_body(generation.error, error_type=SERVER_ERROR, code="engine_error"))
+            error = f"internal error while streaming: {exc}"
+        finally:
+            if recorder is not None:
+                recorder.finish("error" if error is not None else _overall_finish(generations, seen))
+        if error is not None:
+            logger.error("request %s failed in the engine: %s", request_id, error)
+            yield sse_event(error_body(error, error_type=SERVER_ERROR, code="engine_error"))
         elif include_usage:
-            object_type = "chat.completion.chunk" if chat else "text_completion"
-            yield sse_event(usage_chunk(object_type, request_id, created, model,
-                                        usage(len(prepared.prompt_token_ids), generation.completion_tokens,
-                                              generation.cached_tokens)))
+            object_type = "chat.completion.chunk" if formatter.chat else "text_completion"
+            yield sse_event(usage_chunk(object_type, request_id, created, model, _usage(prepared, generations)))
         yield SSE_DONE
-
-    def _chunk(self, prepared: _Prepared, chat: bool, text: str, token_ids: list[int], finish_reason: str | None,
-               with_prompt_ids: bool) -> dict[str, Any]:
-        parsed = prepared.parsed
-        completion_ids = token_ids if parsed.return_token_ids else None
-        prompt_ids = prepared.prompt_token_ids if with_prompt_ids else None
-        if chat:
-            # The finishing chunk of a chat stream has an empty delta when no text came with it.
-            content = text if text or finish_reason is None else None
-            return chat_completion_chunk(prepared.request_id, prepared.created, self.served_model_name, content,
-                                         finish_reason=finish_reason, prompt_token_ids=prompt_ids,
-                                         completion_token_ids=completion_ids, with_usage_field=parsed.include_usage)
-        return completion_chunk(prepared.request_id, prepared.created, self.served_model_name, text,
-                                finish_reason=finish_reason, prompt_token_ids=prompt_ids,
-                                completion_token_ids=completion_ids, with_usage_field=parsed.include_usage)
 
     async def health(self) -> Response:
         try:
@@ -473,3 +643,111 @@ async def _run_until_disconnect(request: Request, work: Callable[[], Awaitable[N
         return False
     work_task.result()  # re-raise what the work raised
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Choice deltas -> response JSON
+
+
+class _ChoiceFormatter:
+    """Turns choice deltas into the JSON choices of one response (completions or chat, stream or not)."""
+
+    def __init__(self, tokenizer: Tokenizer, prepared: _Prepared, chat: bool) -> None:
+        parsed = prepared.parsed
+        self.chat = chat
+        self._parsed = parsed
+        self._prompts = prepared.prompts
+        self._n = parsed.num_choices
+        self._texts = TokenTexts(tokenizer, as_token_ids=bool(parsed.return_tokens_as_token_ids))
+        self._k = parsed.logprobs_count
+        self._echo = parsed.echo_prompt
+        self._with_ids = bool(parsed.return_token_ids)
+        self._prompt_ids_sent: set[int] = set()
+        self._chat_prompt_logprobs_sent = False
+
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        if not self._with_ids or index in self._prompt_ids_sent:
+            return None
+        self._prompt_ids_sent.add(index)
+        return self._prompts[index // self._n]
+
+    def _text_and_entries(self, delta: ChoiceDelta) -> tuple[str, list[TokenEntry]]:
+        if self._echo and delta.prompt is not None:
+            return delta.prompt.text + delta.text, delta.prompt.entries + delta.entries
+        return delta.text, delta.entries
+
+    def _completion_prompt_logprobs(self, delta: ChoiceDelta) -> list[Any] | None:
+        if self._parsed.prompt_logprobs is None or delta.prompt is None:
+            return None
+        return vllm_prompt_logprobs(delta.prompt.token_ids, delta.prompt.logprobs, self._texts,
+                                    self._parsed.prompt_logprobs)
+
+    def chat_prompt_logprobs(self, deltas: Iterable[ChoiceDelta]) -> list[Any] | None:
+        """vLLM's top-level ``prompt_logprobs`` of a chat response (once per response or stream)."""
+        if self._chat_prompt_logprobs_sent:
+            return None
+        for delta in deltas:
+            shown = self._completion_prompt_logprobs(delta)
+            if shown is not None:
+                self._chat_prompt_logprobs_sent = True
+                return shown
+        return None
+
+    def _logprobs(self, entries: list[TokenEntry]) -> dict[str, Any] | None:
+        if self._k is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self._texts, self._k)
+        return completion_logprobs(entries, self._texts, self._k)
+
+    def worth_sending(self, delta: ChoiceDelta) -> bool:
+        """False for a stream delta that would be an empty chunk (e.g. part of a UTF-8 character)."""
+        return bool(delta.text or delta.finish_reason or delta.prompt is not None
+                    or (delta.entries and (self._k is not None or self._with_ids)))
+
+    def final_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
+        """A choice of a non-streamed response (``delta``: everything the choice produced)."""
+        text, entries = self._text_and_entries(delta)
+        completion_ids = delta.token_ids if self._with_ids else None
+        if self.chat:
+            return chat_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
+                               prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids)
+        return completion_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
+                                 prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids,
+                                 prompt_logprobs=self._completion_prompt_logprobs(delta))
+
+    def role_choice(self, index: int) -> dict[str, Any]:
+        """The first chunk of a chat choice: the role, and the prompt ids when asked for."""
+        return chat_delta_choice(index, "", role="assistant", prompt_token_ids=self._prompt_ids(index),
+                                 completion_token_ids=[] if self._with_ids else None)
+
+    def chunk_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
+        """The choice of one stream chunk."""
+        text, entries = self._text_and_entries(delta)
+        completion_ids = delta.token_ids if self._with_ids else None
+        if self.chat:
+            # The finishing chunk of a chat stream has an empty delta when no text came with it.
+            content = text if text or delta.finish_reason is None else None
+            return chat_delta_choice(delta.index, content, delta.finish_reason, logprobs=self._logprobs(entries),
+                                     prompt_token_ids=self._prompt_ids(delta.index),
+                                     completion_token_ids=completion_ids)
+        return completion_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
+                                 prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids,
+                                 prompt_logprobs=self._completion_prompt_logprobs(delta))
+
+
+def _first_error(generations: list[_Generation]) -> str | None:
+    return next((g.error for g in generations if g.error is not None), None)
+
+
+def _overall_finish(generations: list[_Generation], deltas: Iterable[ChoiceDelta]) -> str | None:
+    """The finish reason a request is counted under in the metrics (its first choice's)."""
+    if _first_error(generations) is not None:
+        return "error"
+    return next((d.finish_reason for d in deltas if d.finish_reason is not None), None)
+
+
+def _usage(prepared: _Prepared, generations: list[_Generation]) -> dict[str, Any]:
+    # Each prompt is counted once however many choices it has; completions of every choice add up.
+    return usage(sum(len(p) for p in prepared.prompts), sum(g.completion_tokens for g in generations),
+                 sum(g.cached_tokens for g in generations))
