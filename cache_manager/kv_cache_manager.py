@@ -67,6 +67,9 @@ class KVCacheManager:
         self.host = HostPool(config.num_cpu_blocks, self.index)
         self.transfers = TransferPlanner(config, self.pool, self.host, self.index, submit, clock)
         self.stats: CacheStats = self.transfers.stats
+        # n > 1: blocks a forked choice shared instead of computing them, and partial blocks it copied.
+        self.num_fork_shared_blocks = 0
+        self.num_fork_copied_blocks = 0
 
     # ---- capacity ---------------------------------------------------------------------
 
@@ -126,12 +129,14 @@ class KVCacheManager:
             child.block_table.append(block_id)
         child.block_hashes = list(parent.block_hashes[:full])
         child.num_computed_tokens = computed
+        self.num_fork_shared_blocks += full
         if computed % self.block_size == 0:
             return None
         if self.num_free_blocks < 1:
             raise BlockAllocationError(f"{child.request_id}: no block for the copy of the shared partial block")
         fresh = self.pool.take()
         child.block_table.append(fresh)
+        self.num_fork_copied_blocks += 1
         return parent.block_table[full], fresh
 
     def free(self, seq: CacheSequence) -> None:
@@ -307,5 +312,7 @@ class KVCacheManager:
             "host_blocks_used": self.host.num_used,
             "storage_blocks_known": self.transfers.num_stored,
             "transfers_in_flight": self.transfers.num_in_flight,
+            "fork_shared_blocks": self.num_fork_shared_blocks,
+            "fork_copied_blocks": self.num_fork_copied_blocks,
             **self.stats.__dict__,
         }
