@@ -43,12 +43,15 @@ from engine.entrypoints.logprobs_format import (TokenEntry, TokenTexts, chat_log
                                                 vllm_prompt_logprobs)
 from engine.entrypoints.metrics import RequestRecorder, ServerMetrics
 from engine.entrypoints.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, SERVER_ERROR, SSE_DONE,
-                                         STRUCTURED_OUTPUT_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                         APIError, ChatCompletionRequest, CompletionRequest,
                                          GenerationRequest, chat_choice, chat_completion_chunk,
                                          chat_completion_response, chat_delta_choice, completion_choice,
                                          completion_chunk, completion_response, error_body, sse_event, usage,
                                          usage_chunk)
 from engine.entrypoints.sse import SSEResponse
+from engine.entrypoints import structured_request, tool_calls
+from engine.entrypoints.structured_request import StructuredRequestError
+from engine.entrypoints.tool_calls import ToolCallStream, ToolRequest
 from engine.request import EngineRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -247,43 +250,57 @@ class _Prepared:
     parsed: GenerationRequest
     engine_requests: list[EngineRequest]
     echo_only: bool  # echo with max_tokens=0: the generated token is dropped
+    tools: ToolRequest | None = None  # chat tools (structured-output wiring): rendered, constrained, parsed
 
     @property
     def prompts(self) -> list[list[int]]:
         return [request.prompt_token_ids for request in self.engine_requests]
 
 
-def _structured_output_spec(parsed: GenerationRequest) -> StructuredOutputSpec | None:
+# Grammar backends a request may name (vLLM's guided_decoding_backend): all mean our llguidance.
+_GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")
+
+
+def _structured_output_spec(parsed: GenerationRequest, tools: ToolRequest | None = None) -> StructuredOutputSpec | None:
     """The structured-output constraint of a request (``response_format``, ``guided_*``,
-    ``structural_tag``, ``structured_outputs``), or None.
-
-    Not implemented yet: any of these fields set to a value that would constrain the output is a
-    400 naming it (``response_format`` ``{"type": "text"}`` is the unconstrained default).
+    ``structured_outputs``; see ``structured_request``), or the tool-call schema of ``required`` /
+    a named ``tool_choice``; None when unconstrained. 400 naming the field for anything invalid.
     """
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        value = getattr(parsed, name)
-        if value is None:
-            continue
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-            continue
-        raise APIError(f"{name} is not supported yet", param=name)
-    return None
+    for name in ("structural_tag", "guided_whitespace_pattern"):
+        if getattr(parsed, name) is not None:
+            raise APIError(f"{name} is not supported", param=name)
+    backend = parsed.guided_decoding_backend
+    if backend is not None and backend not in _GRAMMAR_BACKENDS:
+        raise APIError(f"guided_decoding_backend must be one of {', '.join(_GRAMMAR_BACKENDS)} (llguidance), "
+                       f"got {backend!r}", param="guided_decoding_backend")
+    try:
+        spec = structured_request.spec_from_request(
+            {name: getattr(parsed, name, None) for name in structured_request.FIELDS})
+    except StructuredRequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+    tool_spec = tool_calls.tool_call_spec(tools) if tools is not None else None
+    if tool_spec is None:
+        return spec
+    if spec is not None:
+        field = next(name for name in structured_request.FIELDS if getattr(parsed, name, None) is not None)
+        raise APIError(f"{field} cannot be combined with tool_choice 'required' or a named function "
+                       "(the output is then a tool call)", param=field)
+    return tool_spec
 
 
-def _tool_call_spec(parsed: ChatCompletionRequest) -> None:
-    """Tools of a chat request (``tools``, ``tool_choice``, ``functions``, ``function_call``).
+def _tool_call_spec(parsed: ChatCompletionRequest) -> ToolRequest | None:
+    """The validated tools of a chat request (``tools``, ``tool_choice``, ``parallel_tool_calls``), or None.
 
-    Not implemented yet: tools offered to the model are a 400 naming the field; without tools,
-    ``tool_choice`` "none"/"auto" and ``parallel_tool_calls`` change nothing and are accepted.
+    The deprecated ``functions`` / ``function_call`` are a 400 naming them.
     """
-    if parsed.tools:
-        raise APIError("tools are not supported yet", param="tools")
     if parsed.functions:
-        raise APIError("functions are not supported yet", param="functions")
-    if parsed.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice is not supported yet (no tools)", param="tool_choice")
+        raise APIError("functions are not supported: use tools", param="functions")
     if parsed.function_call not in (None, "none", "auto"):
-        raise APIError("function_call is not supported yet (no functions)", param="function_call")
+        raise APIError("function_call is not supported: use tool_choice", param="function_call")
+    try:
+        return tool_calls.parse_tool_request({name: getattr(parsed, name) for name in tool_calls.FIELDS})
+    except StructuredRequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
 
 
 class OpenAIServing:
@@ -390,10 +407,11 @@ class OpenAIServing:
                 prompts.append(list(prompt))
         return prompts
 
-    async def chat_prompt(self, parsed: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, parsed: ChatCompletionRequest, tools: ToolRequest | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(parsed.message_dicts(),
-                                                      add_generation_prompt=bool(parsed.add_generation_prompt))
+            # Tools and earlier tool calls/results: rendered by the template or the documented fallback.
+            text = tool_calls.render_chat(self.tokenizer, parsed.message_dicts(), tools,
+                                          add_generation_prompt=bool(parsed.add_generation_prompt))
         except ValueError as exc:  # InvalidRequestError included: malformed messages
             raise APIError(str(exc), param="messages") from None
         # The template writes every special token itself; add_special_tokens adds the tokenizer's on top.
@@ -420,11 +438,11 @@ class OpenAIServing:
     # -- request -> engine requests
 
     def prepare(self, parsed: GenerationRequest, prompts: list[list[int]], id_prefix: str,
-                prompt_param: str) -> _Prepared:
+                prompt_param: str, tools: ToolRequest | None = None) -> _Prepared:
         """One engine request per prompt, with validated sampling parameters (400 on any problem)."""
         if parsed.stop_token_ids:
             self._check_token_ids(parsed.stop_token_ids, "stop_token_ids")
-        structured_output = _structured_output_spec(parsed)
+        structured_output = _structured_output_spec(parsed, tools)
         bad_words = self.bad_words_token_ids(parsed.bad_words) if parsed.bad_words else []
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         engine_requests: list[EngineRequest] = []
@@ -442,7 +460,7 @@ class OpenAIServing:
                                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                                                  arrival_time=time.time()))
         echo_only = parsed.echo_prompt and parsed.requested_max_tokens == 0
-        return _Prepared(request_id, int(time.time()), parsed, engine_requests, echo_only)
+        return _Prepared(request_id, int(time.time()), parsed, engine_requests, echo_only, tools)
 
     def _default_max_tokens(self, parsed: GenerationRequest, room: int) -> int:
         if isinstance(parsed, CompletionRequest):
@@ -475,11 +493,13 @@ class OpenAIServing:
                            f"has {num_prompt} tokens; it must be shorter to leave room for the completion",
                            param=prompt_param, code="context_length_exceeded")
 
-    def check(self, parsed: GenerationRequest) -> None:
+    def check(self, parsed: GenerationRequest) -> ToolRequest | None:
+        """Field checks; returns the chat request's validated tools (None without tools)."""
         parsed.check_supported()
         parsed.check_model(self.served_model_name)
         if isinstance(parsed, ChatCompletionRequest):
-            _tool_call_spec(parsed)
+            return _tool_call_spec(parsed)
+        return None
 
     # -- handlers
 
@@ -495,8 +515,8 @@ class OpenAIServing:
         started = time.perf_counter()
         self.check_accepting()
         parsed = ChatCompletionRequest.parse(await self.read_body(request))
-        self.check(parsed)
-        prepared = self.prepare(parsed, [await self.chat_prompt(parsed)], "chatcmpl", "messages")
+        tools = self.check(parsed)
+        prepared = self.prepare(parsed, [await self.chat_prompt(parsed, tools)], "chatcmpl", "messages", tools)
         return await self._respond(request, prepared, chat=True, started=started)
 
     def _generations(self, prepared: _Prepared, recorder: RequestRecorder | None) -> list[_Generation]:
@@ -585,14 +605,16 @@ class OpenAIServing:
                     if not formatter.worth_sending(delta):
                         continue  # only part of a character so far
                     seen.append(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))
-                    choice = formatter.chunk_choice(delta)
-                    if formatter.chat:
-                        chunk = chat_completion_chunk(request_id, created, model, choice,
-                                                      with_usage_field=include_usage,
-                                                      prompt_logprobs=formatter.chat_prompt_logprobs([delta]))
-                    else:
-                        chunk = completion_chunk(request_id, created, model, choice, with_usage_field=include_usage)
-                    yield sse_event(chunk)
+                    # Tools: a delta may be held back (it may be a tool call) or end in tool-call chunks.
+                    for choice in formatter.chunk_choices(delta):
+                        if formatter.chat:
+                            chunk = chat_completion_chunk(request_id, created, model, choice,
+                                                          with_usage_field=include_usage,
+                                                          prompt_logprobs=formatter.chat_prompt_logprobs([delta]))
+                        else:
+                            chunk = completion_chunk(request_id, created, model, choice,
+                                                     with_usage_field=include_usage)
+                        yield sse_event(chunk)
             error = _first_error(generations)
         except EngineDeadError as exc:  # the rank went away between the check and the send
             error = str(exc)
@@ -664,6 +686,9 @@ class _ChoiceFormatter:
         self._with_ids = bool(parsed.return_token_ids)
         self._prompt_ids_sent: set[int] = set()
         self._chat_prompt_logprobs_sent = False
+        # Tool calls (structured-output wiring): parsed from each chat choice's output when tools are active.
+        self._tools = prepared.tools if chat and prepared.tools is not None and prepared.tools.active else None
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _prompt_ids(self, index: int) -> list[int] | None:
         if not self._with_ids or index in self._prompt_ids_sent:
@@ -710,8 +735,13 @@ class _ChoiceFormatter:
         text, entries = self._text_and_entries(delta)
         completion_ids = delta.token_ids if self._with_ids else None
         if self.chat:
-            return chat_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
-                               prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids)
+            choice = chat_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
+                                 prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids)
+            calls = tool_calls.parse_tool_calls(text, self._tools) if self._tools is not None else None
+            if calls:
+                choice["message"] = tool_calls.tool_calls_message(calls)
+                choice["finish_reason"] = tool_calls.TOOL_CALLS_FINISH_REASON
+            return choice
         return completion_choice(delta.index, text, delta.finish_reason, logprobs=self._logprobs(entries),
                                  prompt_token_ids=self._prompt_ids(delta.index), completion_token_ids=completion_ids,
                                  prompt_logprobs=self._completion_prompt_logprobs(delta))
@@ -720,6 +750,29 @@ class _ChoiceFormatter:
         """The first chunk of a chat choice: the role, and the prompt ids when asked for."""
         return chat_delta_choice(index, "", role="assistant", prompt_token_ids=self._prompt_ids(index),
                                  completion_token_ids=[] if self._with_ids else None)
+
+    def chunk_choices(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The choices of the stream chunks ``delta`` becomes: one, or with tools none (text held back
+        while it may be a tool call) or the tool-call chunks (OpenAI's shape) when the output ends."""
+        if self._tools is None:
+            return [self.chunk_choice(delta)]
+        stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self._tools))
+        text = stream.feed(delta.text)
+        if delta.finish_reason is None:
+            if not text:
+                return []
+            delta.text = text
+            return [self.chunk_choice(delta)]
+        calls = stream.finish()
+        if not calls:
+            delta.text = stream.finish_content() + text
+            return [self.chunk_choice(delta)]
+        choices = [chat_delta_choice(delta.index, None, logprobs=None) for _ in tool_calls.tool_call_deltas(calls)]
+        for choice, call_delta in zip(choices, tool_calls.tool_call_deltas(calls)):
+            choice["delta"] = call_delta
+        choices.append(chat_delta_choice(delta.index, None, tool_calls.TOOL_CALLS_FINISH_REASON,
+                                         completion_token_ids=delta.token_ids if self._with_ids else None))
+        return choices
 
     def chunk_choice(self, delta: ChoiceDelta) -> dict[str, Any]:
         """The choice of one stream chunk."""
