@@ -10,6 +10,11 @@ SIGINT/SIGTERM it drains (new requests get 503, requests in flight get ``FD_SHUT
 finish, the rest end with an error), stops everything and removes every shared-memory segment,
 semaphore and socket file of this instance. Exit codes: 0 stopped cleanly, 1 an engine failed
 (at start-up, or a rank stayed down), 2 bad arguments or a busy port.
+
+Bad arguments end with one line on stderr, ``launch.py: error: <what, naming the flag>``, and exit
+code 2, never a traceback: argparse's own errors (not a number, unknown choice) and every check of
+``config.engine_config.validate_args`` / ``build_engine_config`` (ranges, combinations, the model
+files, the model's context, the memory for the KV cache) print the same way.
 """
 from __future__ import annotations
 
@@ -27,10 +32,31 @@ from engine.entrypoints.server import Server, serve_http
 logger = logging.getLogger("launch")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after each flag's help unless the text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's exit code 2, but one line: the usage block of ~30 flags would bury the error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog="launch.py", description="Serve an LLM over an OpenAI-compatible API.",
+                                 formatter_class=_DefaultsHelpFormatter)
+    return EngineArgs.add_cli_args(parser)
+
+
 def parse_args(argv: list[str] | None = None) -> EngineArgs:
-    parser = argparse.ArgumentParser(prog="launch.py", description="Serve an LLM over an OpenAI-compatible API.")
-    EngineArgs.add_cli_args(parser)
-    return EngineArgs.from_cli_args(parser.parse_args(argv))
+    return EngineArgs.from_cli_args(build_parser().parse_args(argv))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -54,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         config = build_engine_config(args)
         check_port_free(args.host, args.port)
     except (ConfigError, LaunchError) as exc:
-        logger.error("%s", exc)
+        print(f"launch.py: error: {exc}", file=sys.stderr)
         return 2
     become_subreaper()
     server = Server(config)

