@@ -4,12 +4,20 @@ Each entry: name -> (parser, default, doc). Values are read lazily, at attribute
 access (``envs.FD_USE_KVCACHE_LOCK``), so a test or a parent process can set a
 variable before the child reads it. Nothing else in the code base calls
 ``os.environ.get`` for configuration; a process that must *set* variables before
-it imports paddle (thread counts) does so through ``apply_compute_thread_env``.
+it imports paddle (thread counts) does so through ``apply_compute_thread_env``,
+which then imports paddle with its start-up notices (ccache, OMP banner) filtered.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import sys
+import warnings
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 def _bool(value: str) -> bool:
@@ -124,9 +132,35 @@ def compute_thread_env(num_threads: int) -> dict[str, str]:
     }
 
 
+# Paddle's import-time notices that tell a server's user nothing: ``paddle.base`` prints this two-line
+# banner to stderr whenever OMP_NUM_THREADS > 1 (which fdserve sets on purpose, for speed), and
+# ``paddle.utils.cpp_extension`` warns that ccache is missing (it matters only when building custom
+# C++ operators). Everything else paddle prints at import still goes through.
+_PADDLE_IMPORT_BANNER = ("WARNING: OMP_NUM_THREADS set to", "PLEASE USE OMP_NUM_THREADS WISELY.")
+_PADDLE_CCACHE_WARNING = r"No ccache found"
+
+
 def apply_compute_thread_env(num_threads: int) -> None:
-    """Set the thread variables in this process; call before ``import paddle``."""
+    """Set the thread variables in this process, then import paddle without its start-up notices.
+
+    The variables must be in place before paddle is first imported (ARCHITECTURE.md, CPU facts), so
+    this is also the one place that imports it for a compute process; later ``import paddle``
+    statements find it loaded. If paddle was already imported, the variables came too late: say so.
+    """
     os.environ.update(compute_thread_env(num_threads))
+    if "paddle" in sys.modules:
+        logger.warning("paddle was imported before the compute thread variables were set; "
+                       "OMP_NUM_THREADS=%d may not apply", num_threads)
+        return
+    warnings.filterwarnings("ignore", message=_PADDLE_CCACHE_WARNING, category=UserWarning)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            import paddle  # noqa: F401  (loaded here so the notices above are filtered)
+    finally:
+        # Whatever paddle printed besides the banner (or before failing to import) is passed on.
+        sys.stderr.writelines(line for line in captured.getvalue().splitlines(keepends=True)
+                              if not line.startswith(_PADDLE_IMPORT_BANNER))
 
 
 def available_cores() -> int:

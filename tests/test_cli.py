@@ -7,6 +7,7 @@ exit code 2, exactly one line on stderr naming the flag, nothing on stdout, no t
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from harness.server import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -162,3 +165,56 @@ def test_busy_port_is_one_line_and_exit_2() -> None:
         port = sock.getsockname()[1]
         result = run_launch("--port", str(port))
     assert_one_line_refusal(result, f"127.0.0.1:{port}", "cannot bind")
+
+
+# --- Paddle's start-up noise stays out of the server's output ---------------------------------------------
+
+PADDLE_NOISE = ("No ccache found", "OMP_NUM_THREADS set to", "PLEASE USE OMP_NUM_THREADS WISELY")
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, **env})
+
+
+def test_plain_paddle_import_prints_the_notices_that_the_compute_env_removes() -> None:
+    plain = run_python("import paddle", OMP_NUM_THREADS="2")
+    assert plain.returncode == 0, plain.stderr
+    assert all(noise in plain.stderr for noise in PADDLE_NOISE), plain.stderr  # the source still speaks
+
+    quiet = run_python("import os, envs\nenvs.apply_compute_thread_env(2)\nimport paddle\n"
+                       "print(os.environ['OMP_NUM_THREADS'], paddle.__version__)")
+    assert quiet.returncode == 0, quiet.stderr
+    assert not any(noise in quiet.stderr + quiet.stdout for noise in PADDLE_NOISE), quiet.stderr
+    assert quiet.stdout.split()[0] == "2"  # the thread count the banner warned about is still set
+
+
+def test_paddle_import_filter_passes_other_output_through(tmp_path: Path) -> None:
+    # A stand-in paddle package that prints the banner, warns about ccache and prints one line of its own.
+    fake = tmp_path / "paddle"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import sys, warnings\n"
+        "print('WARNING: OMP_NUM_THREADS set to 2, not 1. ...', file=sys.stderr)\n"
+        "print('PLEASE USE OMP_NUM_THREADS WISELY.', file=sys.stderr)\n"
+        "warnings.warn('No ccache found. Please be aware ...')\n"
+        "print('paddle says something else', file=sys.stderr)\n")
+    result = run_python("import envs\nenvs.apply_compute_thread_env(1)\nimport paddle\nprint(paddle.__file__)",
+                        PYTHONPATH=f"{tmp_path}:{REPO_ROOT}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(fake / "__init__.py")
+    assert result.stderr == "paddle says something else\n"
+
+
+@pytest.mark.integration
+def test_server_output_has_no_paddle_start_up_noise(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    with ServerProcess("--num-gpu-blocks-override", "16", "--max-num-seqs", "4", log_path=log) as server:
+        assert server.descendants()
+        started = log.read_text()
+    stopped = log.read_text()
+    assert "worker ready" in started and "engine ready" in started  # the log holds every process's output
+    for noise in PADDLE_NOISE:
+        assert noise not in stopped, f"{noise!r} in the server's output:\n{stopped}"
+    assert "Traceback" not in stopped and "FatalError" not in stopped, stopped
+    assert server.graceful and server.leftovers == []
