@@ -7,12 +7,14 @@ output must decode to text that parses and validates against the spec. API-level
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from concurrent.futures import Future
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
 
 from config.model_config import default_model_path
@@ -25,6 +27,7 @@ from engine.structured_output import (
     validate_spec,
 )
 from engine.tokenizer import Tokenizer, load_tokenizer
+from harness.server import ServerProcess
 
 MODEL_VOCAB = 49152  # SmolLM2's logits width
 COMPILE_TIMEOUT = 30.0
@@ -343,3 +346,149 @@ def test_regex_digit_class_is_ascii(manager, tokenizer) -> None:
     assert manager.wait_ready("digits", COMPILE_TIMEOUT)
     allowed = {tokenizer.decode([int(token)]) for token in allowed_ids(manager.bitmask("digits"))}
     assert allowed and all(re.fullmatch(r"[0-9]+", text) for text in allowed), sorted(allowed)[:10]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real server through the real ``openai`` client (one server for the module)
+
+SERVER_PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# (case, request extras, chat prompt, check of the output text). Prompts the model can answer briefly:
+# the mask makes every prefix valid; these keep generations well inside max_tokens at temperature 1.
+SERVER_CASES = [
+    ("json_object", {"response_format": {"type": "json_object"}},
+     'What is the capital of France? Answer in JSON with the key "capital".',
+     lambda text: isinstance(json.loads(text), dict)),
+    ("json_schema", {"response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "person", "schema": SERVER_PERSON, "strict": True}}},
+     "Invent a person with a name and an age.",
+     lambda text: jsonschema.validate(json.loads(text), SERVER_PERSON) is None),
+    ("guided_json", {"extra_body": {"guided_json": SERVER_PERSON}}, "Invent a person with a name and an age.",
+     lambda text: jsonschema.validate(json.loads(text), SERVER_PERSON) is None),
+    ("guided_regex", {"extra_body": {"guided_regex": r"\d{3}-\d{4}"}}, "Write a phone number.",
+     lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text) is not None),
+    ("guided_choice", {"extra_body": {"guided_choice": ["yes", "no", "maybe"]}}, "Is the sky blue?",
+     lambda text: text in ("yes", "no", "maybe")),
+    ("guided_grammar", {"extra_body": {"guided_grammar": 'start: "The answer is " N "."\nN: /[0-9]{1,3}/'}},
+     "What is 2+3?", lambda text: re.fullmatch(r"The answer is [0-9]{1,3}\.", text) is not None),
+    ("structured_outputs", {"extra_body": {"structured_outputs": {"choice": ["red", "green"]}}},
+     "Name a color.", lambda text: text in ("red", "green")),
+]
+SAMPLINGS = [{"temperature": 0.0}] + [{"temperature": 1.0, "seed": seed} for seed in (1, 2, 3)]
+SERVER_MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-num-seqs", "16")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_text(client: openai.OpenAI, prompt: str, extras: dict, sampling: dict, stream: bool) -> tuple[str, str]:
+    kwargs = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": prompt}],
+              "max_tokens": SERVER_MAX_TOKENS, **sampling, **extras}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.content, choice.finish_reason
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return "".join(parts), finish
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("case, extras, prompt, check", SERVER_CASES, ids=[case[0] for case in SERVER_CASES])
+def test_server_outputs_parse_and_validate(client, case, extras, prompt, check, stream) -> None:
+    samplings = SAMPLINGS
+    if case == "json_object":
+        # Any object may have any number of keys: at temperature 1 over the full vocabulary SmolLM2-135M
+        # sometimes keeps adding keys past max_tokens (the prefix is valid JSON, the end is cut: "length").
+        # Nucleus sampling keeps it on the question.
+        samplings = [{"temperature": 0.0}] + [{"temperature": 1.0, "top_p": 0.8, "seed": seed} for seed in (1, 2, 3)]
+    for sampling in samplings:
+        text, finish = chat_text(client, prompt, extras, sampling, stream)
+        assert finish == "stop", (case, sampling, text)
+        assert check(text), (case, sampling, text)
+
+
+@pytest.mark.integration
+def test_server_completions_endpoint_takes_guided_fields(client) -> None:
+    for seed in (1, 2):
+        completion = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="My phone number is ",
+                                               max_tokens=20, temperature=1.0, seed=seed,
+                                               extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+        assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", completion.choices[0].text)
+        assert completion.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.integration
+def test_server_n_choices_each_follow_the_grammar(client) -> None:
+    response = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Invent a person."}], n=3,
+        temperature=1.0, seed=7, max_tokens=SERVER_MAX_TOKENS, extra_body={"guided_json": SERVER_PERSON})
+    assert sorted(choice.index for choice in response.choices) == [0, 1, 2]
+    for choice in response.choices:
+        jsonschema.validate(json.loads(choice.message.content), SERVER_PERSON)
+
+
+@pytest.mark.integration
+def test_server_async_client_concurrent_with_plain_requests(server) -> None:
+    async def run() -> list:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            constrained = [aclient.chat.completions.create(
+                model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Invent a person."}],
+                temperature=1.0, seed=seed, max_tokens=SERVER_MAX_TOKENS,
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SERVER_PERSON}})
+                for seed in range(4)]
+            plain = [aclient.chat.completions.create(
+                model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Tell me a story."}],
+                temperature=0.0, max_tokens=40) for _ in range(2)]
+            return await asyncio.gather(*constrained, *plain)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    for response in results[:4]:
+        jsonschema.validate(json.loads(response.choices[0].message.content), SERVER_PERSON)
+    for response in results[4:]:
+        # Unconstrained requests batched beside them are unaffected (plain prose, full length).
+        assert response.choices[0].finish_reason == "length"
+        assert not response.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("extras, param, message", [
+    ({"extra_body": {"guided_regex": "(a|[b-"}}, "guided_regex", "unclosed character class"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
+     "response_format", "does not compile"),
+    ({"extra_body": {"guided_grammar": "start: nowhere"}}, "guided_grammar", "unknown name"),
+    ({"extra_body": {"guided_choice": "yes"}}, "guided_choice", "non-empty list of strings"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex", "only one"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+])
+def test_server_bad_constraints_are_400s(client, extras, param, message) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1",
+                                       messages=[{"role": "user", "content": "hi"}], max_tokens=5, **extras)
+    error = info.value.body
+    assert error["param"] == param and message in error["message"], error
