@@ -6,10 +6,12 @@ engine's grammar manager: every output must parse into calls whose arguments val
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
 
 from config.model_config import default_model_path
@@ -30,6 +32,7 @@ from engine.entrypoints.tool_calls import (
 )
 from engine.structured_output import StructuredOutputManager, ll_tokenizer_from
 from engine.tokenizer import Tokenizer, load_tokenizer
+from harness.server import ServerProcess
 
 WEATHER = {
     "type": "function",
@@ -331,3 +334,204 @@ def test_open_parameter_schemas_are_closed_for_decoding_only() -> None:
     assert schema["properties"]["arguments"]["additionalProperties"] is False
     assert list(schema["properties"]) == ["name", "arguments"]
     assert "additionalProperties" not in request.tools[0].openai()["function"]["parameters"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real server through the real ``openai`` client (one server for the module)
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+SERVER_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "maxLength": 30},
+                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city"]},
+    },
+}
+SERVER_ADD = {
+    "type": "function",
+    "function": {"name": "add", "description": "Add two numbers",
+                 "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                                "required": ["a", "b"]}},
+}
+SERVER_TOOLS = [SERVER_WEATHER, SERVER_ADD]
+SERVER_PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in SERVER_TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+SAMPLINGS = [{"temperature": 0.0}] + [{"temperature": 1.0, "seed": seed} for seed in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-num-seqs", "16")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(calls, names=None) -> None:
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in (names or SERVER_PARAMETERS)
+        jsonschema.validate(json.loads(call.function.arguments), SERVER_PARAMETERS[call.function.name])
+
+
+def streamed_calls(stream) -> tuple[list[dict], str, str | None]:
+    """Tool calls rebuilt from OpenAI-shaped deltas, the streamed content and the finish reason."""
+    calls: dict[int, dict] = {}
+    content, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content.append(choice.delta.content)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id:
+                    call["id"] = delta.id
+                if delta.function and delta.function.name:
+                    call["name"] = delta.function.name
+                if delta.function and delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return [calls[index] for index in sorted(calls)], "".join(content), finish
+
+
+@pytest.mark.integration
+def test_server_required_tool_choice_always_yields_valid_calls(client) -> None:
+    for sampling in SAMPLINGS:
+        response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS,
+                                                  tool_choice="required", max_tokens=120, **sampling)
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        check_calls(choice.message.tool_calls)
+
+
+@pytest.mark.integration
+def test_server_required_tool_choice_streamed(client) -> None:
+    for sampling in SAMPLINGS:
+        stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS,
+                                                tool_choice="required", max_tokens=120, stream=True, **sampling)
+        calls, content, finish = streamed_calls(stream)
+        assert finish == "tool_calls" and content == ""
+        assert calls and all(call["id"] and call["id"].startswith("call_") for call in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), SERVER_PARAMETERS[call["name"]])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_server_named_function(client, stream) -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    messages = [{"role": "user", "content": "What is 12 plus 30?"}]
+    for sampling in SAMPLINGS:
+        kwargs = dict(model=MODEL, messages=messages, tools=SERVER_TOOLS, tool_choice=named, max_tokens=120,
+                      parallel_tool_calls=False, **sampling)
+        if stream:
+            calls, content, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+            assert finish == "tool_calls" and [call["name"] for call in calls] == ["add"]
+            jsonschema.validate(json.loads(calls[0]["arguments"]), SERVER_PARAMETERS["add"])
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            assert choice.finish_reason == "tool_calls"
+            check_calls(choice.message.tool_calls, names=["add"])
+            assert len(choice.message.tool_calls) == 1
+
+
+@pytest.mark.integration
+def test_server_auto_answers_in_text_or_with_a_valid_call(client) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, temperature=0.0)
+    with_tools = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS,
+                                                max_tokens=60, temperature=0.0)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools are in the prompt
+    for sampling in SAMPLINGS:
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS, tool_choice="auto", max_tokens=60,
+                          **sampling)
+            if stream:
+                calls, content, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+            else:
+                choice = client.chat.completions.create(**kwargs).choices[0]
+                calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in choice.message.tool_calls or []]
+                content, finish = choice.message.content, choice.finish_reason
+            if calls:
+                assert finish == "tool_calls" and not content
+                for call in calls:
+                    json.loads(call["arguments"])
+                    assert call["name"] in SERVER_PARAMETERS
+            else:
+                assert finish in ("stop", "length") and content
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_server_follow_up_turn_with_tool_result(client, stream) -> None:
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees celsius and sunny"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, tools=SERVER_TOOLS, max_tokens=60, temperature=0.0)
+    if stream:
+        calls, content, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+        content, finish = choice.message.content, choice.finish_reason
+    # Greedy SmolLM2 answers this turn with the call JSON again: parsed in auto mode into a tool call.
+    assert finish == "tool_calls" and content in (None, "")
+    assert [(call["name"], json.loads(call["arguments"])) for call in calls] == [("get_weather", {"city": "Paris"})]
+    # The same history without tools is still accepted (rendered with the fallback) and answered in text.
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0.0)
+    assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.integration
+def test_server_async_client_required_calls(server) -> None:
+    async def run() -> list:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*[aclient.chat.completions.create(
+                model=MODEL, messages=QUESTION, tools=SERVER_TOOLS, tool_choice="required", max_tokens=120,
+                temperature=1.0, seed=seed) for seed in range(4)])
+        finally:
+            await aclient.close()
+
+    for response in asyncio.run(run()):
+        assert response.choices[0].finish_reason == "tool_calls"
+        check_calls(response.choices[0].message.tool_calls)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("extras, param, message", [
+    ({"tools": SERVER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "function.name"),
+    ({"tools": SERVER_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "tool_choice"),
+])
+def test_server_bad_tool_requests_are_400s(client, extras, param, message) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, **extras)
+    assert info.value.body["param"] == param and message in info.value.body["message"], info.value.body
+
+
+@pytest.mark.integration
+def test_server_tool_message_without_call_id_is_a_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, max_tokens=5, messages=QUESTION + [
+            {"role": "tool", "content": "22 degrees"}])
+    assert "tool_call_id" in info.value.body["message"]
