@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from engine.engine_process import MAX_CONSECUTIVE_FAILURES, EngineFailed
-from engine.request import EngineRequest, RequestOutput
+from engine.request import AbortRequest, EngineRequest, RequestOutput
 from config.sampling_params import SamplingParams
 from tests.engine_harness import ScriptedEngine
 
@@ -37,8 +37,33 @@ class Harness(ScriptedEngine):
         self.api_out = self.context.socket(zmq.PULL)
         self.api_out.connect(self.addresses.outputs)
 
-    def send(self, request_id: str, prompt: list[int] | None = PROMPT) -> None:
-        self.api_in.send_pyobj(EngineRequest(request_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)))
+    def send(self, request_id: str, prompt: list[int] | None = PROMPT, n: int = 1) -> None:
+        self.api_in.send_pyobj(EngineRequest(request_id, prompt,
+                                             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=n)))
+
+    def wait_choices(self, request_id: str, n: int) -> dict[int, list[RequestOutput]]:
+        """Outputs of a request with ``n`` choices, by index, once every choice finished."""
+        def by_index() -> dict[int, list[RequestOutput]]:
+            grouped: dict[int, list[RequestOutput]] = {}
+            for out in self.outputs.get(request_id, []):
+                grouped.setdefault(out.index, []).append(out)
+            return grouped
+
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(by_index()) < n or not all(outs[-1].finished for outs in by_index().values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.api_out.poll(int(remaining * 1000)):
+                raise TimeoutError(f"{request_id}: not every choice finished within {TIMEOUT_S} s: {self.outputs}")
+            for output in self.api_out.recv_pyobj():
+                self.outputs.setdefault(output.request_id, []).append(output)
+        return by_index()
+
+    def queue_before_start(self, count: int) -> None:
+        """Let the engine take ``count`` sent requests into its queue before its loop runs."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.engine.scheduler.num_waiting < count:
+            assert time.monotonic() < deadline, "requests did not reach the engine"
+            self.engine._receive_requests(block=True)
 
     def wait_finished(self, request_ids: list[str]) -> dict[str, list[RequestOutput]]:
         deadline = time.monotonic() + TIMEOUT_S
@@ -162,3 +187,50 @@ def test_a_cache_transfer_process_without_progress_is_killed(make_harness, monke
         if hung.is_alive():
             hung.kill()
         hung.join(10)
+
+
+# ---- n > 1: choices under the client's id ----------------------------------------------------------
+
+
+def test_choices_come_back_under_the_client_id_each_with_its_index(make_harness):
+    harness = make_harness()
+    harness.send("multi", n=3)
+    harness.send("single")
+    harness.start()
+    choices = harness.wait_choices("multi", 3)
+    assert sorted(choices) == [0, 1, 2]
+    for outputs in choices.values():
+        assert_completed(outputs)
+    assert_completed(harness.wait_finished(["single"])["single"])
+    stats = harness.engine.cache.summary()
+    # 69 prompt tokens before the fork: one full 64-token block shared by 2 children, the partial one copied.
+    assert stats["fork_shared_blocks"] == 2 and stats["fork_copied_blocks"] == 2
+    assert harness.engine.cache.num_used_blocks == 0
+
+
+def test_abort_ends_every_choice_each_with_its_output(make_harness):
+    harness = make_harness()
+    harness.send("multi", n=3)
+    harness.queue_before_start(1)
+    harness.api_in.send_pyobj(AbortRequest("multi"))  # before the fork: the choices exist only in the parent
+    harness.send("after")
+    harness.start()
+    choices = harness.wait_choices("multi", 3)
+    assert {i: [(o.finish_reason, o.new_token_ids) for o in outs] for i, outs in choices.items()} == \
+        {i: [("abort", [])] for i in range(3)}
+    assert_completed(harness.wait_finished(["after"])["after"])
+    assert harness.engine.cache.num_used_blocks == 0
+
+
+def test_a_failing_update_fails_every_choice_of_the_request(make_harness, monkeypatch):
+    monkeypatch.setenv("FD_ENGINE_FAULT_RAISE_IN_UPDATE", "boom")
+    harness = make_harness(max_num_seqs=2)  # boom's 2 choices fill it: the failing step holds only boom
+    harness.send("boom", n=2)
+    harness.send("after")
+    harness.start()
+    choices = harness.wait_choices("boom", 2)
+    for outputs in choices.values():
+        assert outputs[-1].finish_reason == "error" and "injected fault" in outputs[-1].error
+    assert_completed(harness.wait_finished(["after"])["after"])
+    assert harness.engine.cache.num_used_blocks == 0
+    assert harness.engine_thread_alive() and harness.engine_error is None
