@@ -1,5 +1,6 @@
-"""Sampler behaviour on real paddle tensors: greedy, seeded determinism, top-k/top-p support,
-sampling frequencies, and the non-finite guard."""
+"""Sampler behaviour on real paddle tensors: greedy, seeded determinism (penalties on too), top-k/top-p
+support, sampling frequencies, and the non-finite guard. The logits processors themselves are tested
+against a numpy reference in test_logits_processors.py."""
 from __future__ import annotations
 
 import envs
@@ -11,6 +12,7 @@ import paddle  # noqa: E402
 import pytest  # noqa: E402
 
 from config.sampling_params import SamplingParams  # noqa: E402
+from worker.logits_processors import RowState  # noqa: E402
 from worker.sampler import INVALID_TOKEN, Sampler, SamplingError  # noqa: E402
 
 VOCAB = 49152
@@ -62,6 +64,28 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
         batched_last.append(Sampler().sample(tensor(last), others + [target], [1, 2, 3, step])[3])
     assert alone == batched_first == batched_last
     assert len(set(alone)) > 1, "a flat distribution over 12 steps should not repeat one token"
+
+
+def test_seeded_rows_with_penalties_are_deterministic_whatever_the_batch() -> None:
+    target = SamplingParams(temperature=0.9, top_p=0.95, seed=77, presence_penalty=0.7, frequency_penalty=0.4,
+                            repetition_penalty=1.3, logit_bias={3: 5.0})
+    others = [SamplingParams(temperature=0.0, frequency_penalty=1.0), SamplingParams(temperature=1.1),
+              SamplingParams(temperature=0.8, min_p=0.2, seed=5)]
+    history: list[int] = []
+    runs: dict[str, list[int]] = {"alone": [], "first": [], "last": []}
+    for step in range(10):
+        row = random_logits(1, vocab=1000, std=1.0, seed=300 + step)
+        noise = random_logits(3, vocab=1000, seed=400 + step)
+        state = RowState(prompt_token_ids=[1, 2, 3], output_token_ids=list(history))
+        noise_states = [RowState(output_token_ids=[4, 4]), None, None]
+        runs["alone"].append(int(Sampler().sample(row, [target], [step], [state])[0]))
+        runs["first"].append(int(Sampler(seed=1).sample(np.concatenate([row, noise]), [target] + others,
+                                                        [step, 1, 2, 3], [state] + noise_states)[0]))
+        runs["last"].append(int(Sampler().sample(np.concatenate([noise, row]), others + [target], [4, 5, 6, step],
+                                                 noise_states + [state])[3]))
+        history.append(runs["alone"][-1])
+    assert runs["alone"] == runs["first"] == runs["last"]
+    assert len(set(runs["alone"])) > 3
 
 
 def test_different_seeds_give_different_sequences() -> None:

@@ -1,7 +1,13 @@
 """Token sampling for one batch of last-position logits (runs in the worker process).
 
-Owns the choice of the next token per request: greedy argmax, or temperature / top-k / top-p
-sampling with per-request seeds, and the guard against non-finite logits.
+Owns the choice of the next token per request: greedy argmax, or temperature / min-p / top-k /
+top-p sampling with per-request seeds, and the guard against non-finite logits.
+
+Order (vLLM's v1 sampler): rows that use a logits control (penalties, bias, bad words, min_tokens
+bans, structured-output mask) are copied and processed by ``worker/logits_processors.py``; greedy
+rows then take the argmax of the PROCESSED logits; random rows apply temperature, then min_p (in
+the probability domain: tokens with p < min_p * max p weigh 0), then top-k, then top-p. Rows with
+no control are sampled from the logits as given, with no extra full-vocabulary copy.
 
 Exactness: every random row samples exactly from the truncated, renormalised distribution
 (temperature first, then top-k, then top-p on the top-k renormalised mass). Speed comes from
@@ -19,9 +25,10 @@ Determinism: a seeded row draws its one uniform number from
 ``Generator(PCG64([seed, num_output_tokens]))``, so its tokens depend only on its own logits, seed
 and position, not on the other requests in the batch. Unseeded rows share one process RNG.
 
-Non-finite logits: ``sample`` raises ``SamplingError`` naming the bad rows and carrying the
-tokens of all other rows, so the caller fails only those requests and keeps the rest of the
-step. A NaN/inf row would otherwise yield an arbitrary token (argmax of NaN) silently.
+Non-finite logits: ``sample`` raises ``SamplingError`` naming the bad rows (with a reason per row)
+and carrying the tokens of all other rows, so the caller fails only those requests and keeps the
+rest of the step. A NaN/inf row would otherwise yield an arbitrary token (argmax of NaN) silently.
+A row whose controls exclude every token fails the same way.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import numpy as np
 import paddle
 
 from config.sampling_params import SamplingParams
+from worker.logits_processors import RowHistory, apply_logits_processors, needs_processing
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +51,18 @@ _MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 
 class SamplingError(RuntimeError):
-    """Some rows had non-finite logits. ``rows`` are their batch indices; ``tokens`` holds the
-    sampled tokens of the other rows and ``INVALID_TOKEN`` at ``rows``."""
+    """Some rows could not be sampled. ``rows`` are their batch indices, ``reasons`` says why per
+    row; ``tokens`` holds the sampled tokens of the other rows and ``INVALID_TOKEN`` at ``rows``."""
 
-    def __init__(self, rows: list[int], tokens: np.ndarray) -> None:
-        super().__init__(f"non-finite (NaN or inf) logits in batch rows {rows}")
+    def __init__(self, rows: list[int], tokens: np.ndarray, reasons: dict[int, str] | None = None) -> None:
         self.rows = rows
         self.tokens = tokens
+        self.reasons = reasons if reasons is not None else {row: NON_FINITE_LOGITS for row in rows}
+        super().__init__(f"sampling failed in batch rows {rows}: " + "; ".join(
+            f"row {row}: {self.reasons[row]}" for row in rows))
+
+
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN/inf)"
 
 
 class Sampler:
@@ -68,43 +81,79 @@ class Sampler:
         logits: paddle.Tensor | np.ndarray,
         params: list[SamplingParams],
         num_output_tokens: list[int],
+        histories: Sequence[RowHistory | None] | None = None,
     ) -> np.ndarray:
         """One int64 token per row. ``num_output_tokens[i]``: tokens request i generated so far.
+        ``histories[i]``: row i's token history, bans and mask (``ScheduledSeq`` fits), for the
+        logits processors (``worker/logits_processors.py``); None = no per-step inputs.
 
-        Raises ``SamplingError`` if any row's logits contain NaN or inf (see module doc).
+        ``logits`` is never modified: rows with a control are processed in a copy.
+        Raises ``SamplingError`` if any row cannot be sampled: non-finite logits, or a processor
+        that excluded every token (see module doc); the other rows' tokens travel in the error.
         """
-        x = _as_float32_numpy(logits)
+        x = as_float32_numpy(logits)
         if x.ndim != 2 or x.shape[0] != len(params) or len(params) != len(num_output_tokens):
             raise ValueError(
                 f"logits {x.shape} must be [batch, vocab] with batch == len(params) == len(num_output_tokens) "
                 f"({len(params)}, {len(num_output_tokens)})"
             )
+        if histories is not None and len(histories) != len(params):
+            raise ValueError(f"{len(histories)} histories for a batch of {len(params)}")
         finite = np.isfinite(x).all(axis=1)
+        reasons = {int(row): NON_FINITE_LOGITS for row in np.flatnonzero(~finite)}
         tokens = np.full(x.shape[0], INVALID_TOKEN, dtype=np.int64)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy and finite[i]]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy and finite[i]]
-        if greedy_rows:
-            # argmax of every row costs less than gathering the greedy ones first.
-            tokens[greedy_rows] = x.argmax(axis=1)[greedy_rows]
-        if random_rows:
-            tokens[random_rows] = self._sample_random(x, random_rows, params, num_output_tokens)
-        if not finite.all():
-            bad = np.flatnonzero(~finite).tolist()
-            logger.error("non-finite logits in batch rows %s", bad)
-            raise SamplingError(bad, tokens)
+        # Rows with a control leave the fast path: their logits are processed in a copy ``y``;
+        # the others are sampled straight from ``x`` with no extra full-vocabulary pass.
+        processed = [i for i, p in enumerate(params)
+                     if finite[i] and needs_processing(p, histories[i] if histories is not None else None)]
+        in_processed = set(processed)
+        plain = [i for i in range(len(params)) if finite[i] and i not in in_processed]
+        self._sample_rows(x, plain, plain, params, num_output_tokens, tokens)
+        if processed:
+            y = x[processed]  # fancy indexing: a C-contiguous copy, x stays raw (logprobs need it)
+            failed = apply_logits_processors(
+                y, [params[i] for i in processed],
+                [histories[i] for i in processed] if histories is not None else [None] * len(processed))
+            for local, message in failed.items():
+                reasons[processed[local]] = message
+            ok = [j for j in range(len(processed)) if j not in failed]
+            self._sample_rows(y, ok, [processed[j] for j in ok], params, num_output_tokens, tokens)
+        if reasons:
+            bad = sorted(reasons)
+            logger.error("cannot sample batch rows %s: %s", bad, reasons)
+            raise SamplingError(bad, tokens, {row: reasons[row] for row in bad})
         return tokens
+
+    def _sample_rows(self, src: np.ndarray, src_rows: list[int], batch_rows: list[int], params: list[SamplingParams],
+                     num_output_tokens: list[int], tokens: np.ndarray) -> None:
+        """Sample batch rows ``batch_rows`` from the rows ``src_rows`` of ``src`` into ``tokens``."""
+        if not batch_rows:
+            return
+        greedy = [k for k, i in enumerate(batch_rows) if params[i].greedy]
+        random = [k for k, i in enumerate(batch_rows) if not params[i].greedy]
+        if greedy:
+            # argmax of every row costs less than gathering the greedy ones first.
+            tokens[[batch_rows[k] for k in greedy]] = src.argmax(axis=1)[[src_rows[k] for k in greedy]]
+        if random:
+            tokens[[batch_rows[k] for k in random]] = self._sample_random(
+                src, [src_rows[k] for k in random], [params[batch_rows[k]] for k in random],
+                [num_output_tokens[batch_rows[k]] for k in random])
 
     def _sample_random(
         self, x: np.ndarray, rows: list[int], params: list[SamplingParams], num_output_tokens: list[int]
     ) -> np.ndarray:
-        exp_logits = self._tempered_exp(x, rows, [params[i].temperature for i in rows])
+        """One token per row of ``x`` in ``rows``; ``params[j]``/``num_output_tokens[j]`` belong to ``rows[j]``."""
+        exp_logits = self._tempered_exp(x, rows, [p.temperature for p in params])
         vocab = exp_logits.shape[1]
         out = np.empty(len(rows), dtype=np.int64)
-        for j, i in enumerate(rows):
-            p = params[i]
-            rng = self._rng if p.seed is None else np.random.Generator(np.random.PCG64([p.seed, num_output_tokens[i]]))
+        for j, p in enumerate(params):
+            rng = self._rng if p.seed is None else np.random.Generator(np.random.PCG64([p.seed, num_output_tokens[j]]))
             u = rng.random()
             e = exp_logits[j]
+            if p.min_p > 0.0:
+                # min_p in the probability domain after temperature, as vLLM: the row's maximum is
+                # exactly 1 here, so "prob < min_p * max prob" is "e < min_p" (removed tokens weigh 0).
+                np.putmask(e, e < np.float32(p.min_p), np.float32(0.0))
             if 0 < p.top_k < vocab:
                 tokens = _top_k_support(e, p.top_k, p.top_p)
             elif p.top_p < 1.0:
@@ -217,7 +266,7 @@ def _pick(cum: np.ndarray, target: float) -> int:
     return int(np.searchsorted(cum, cum[idx], side="left"))
 
 
-def _as_float32_numpy(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
+def as_float32_numpy(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
     """A read-only-by-convention float32 numpy view (no copy for CPU float32 tensors)."""
     if isinstance(logits, np.ndarray):
         return logits.astype(np.float32, copy=False)
