@@ -2,9 +2,10 @@
 
 Measures what the engine adds to each decode step when every sequence of the batch is constrained:
 ``StructuredOutputManager.fill_bitmasks`` (one llguidance call computing the masks of the whole batch)
-plus one ``accept`` per sequence, over whole generations driven by a random sampler under the mask (a
-finished sequence is replaced by a fresh one with the same spec, so the batch stays full). Also the
-grammar compile time, cold and from the cache. Prints one JSON report (and writes it to ``--out``).
+plus one ``accept`` per sequence (``step_ms``), over whole generations driven by a random sampler under the mask (a
+finished sequence is replaced by a fresh one with the same spec, so the batch stays full); on every
+other step the masks come from one ``bitmask(seq_id)`` call per sequence instead, for comparison. Also the grammar compile time,
+cold and from the cache. Prints one JSON report (and writes it to ``--out``).
 
     python benchmarks/structured_output.py --batch-sizes 8 32 --steps 200
 """
@@ -62,11 +63,19 @@ def run_batch(manager: StructuredOutputManager, eos_ids: tuple[int, ...], batch:
         if not manager.wait_ready(seq_id, 60.0):
             raise RuntimeError(f"{seq_id} did not compile in 60 s")
     out = np.empty((batch, manager.mask_words), dtype=np.int32)
-    mask_ms, accept_ms = [], []
-    for _ in range(steps):
+    mask_ms, single_ms, accept_ms = [], [], []
+    for step in range(steps):
+        # Even steps: one batched call; odd steps: one ``bitmask(seq_id)`` call per sequence (what the
+        # scheduler does today). Only the first computation of a step is timed: llguidance caches a
+        # matcher's mask until its next token.
         start = time.perf_counter()
-        masks = manager.fill_bitmasks(seq_ids, out)
-        mask_ms.append((time.perf_counter() - start) * 1e3)
+        if step % 2 == 0:
+            masks = manager.fill_bitmasks(seq_ids, out)
+            mask_ms.append((time.perf_counter() - start) * 1e3)
+        else:
+            rows = [manager.bitmask(seq_id) for seq_id in seq_ids]
+            single_ms.append((time.perf_counter() - start) * 1e3)
+            masks = None if any(row is None for row in rows) else np.stack(rows)
         if masks is None:
             raise RuntimeError("a sequence of the batch is not ready")
         # The sampler's part (not timed): a random allowed token per row.
@@ -92,13 +101,15 @@ def run_batch(manager: StructuredOutputManager, eos_ids: tuple[int, ...], batch:
                 manager.wait_ready(seq_ids[row], 60.0)
     for seq_id in seq_ids:
         manager.remove(seq_id)
-    step_ms = [m + a for m, a in zip(mask_ms, accept_ms)]
+    step_ms = [m + a for m, a in zip(mask_ms, accept_ms[0::2])]
     return {
         "batch_size": batch,
         "steps": steps,
         "mask_ms_mean": round(statistics.fmean(mask_ms), 3),
         "mask_ms_p50": round(percentile(mask_ms, 50), 3),
         "mask_ms_p99": round(percentile(mask_ms, 99), 3),
+        "per_sequence_calls_ms_mean": round(statistics.fmean(single_ms), 3),
+        "per_sequence_calls_ms_p50": round(percentile(single_ms, 50), 3),
         "accept_ms_mean": round(statistics.fmean(accept_ms), 3),
         "step_ms_mean": round(statistics.fmean(step_ms), 3),
         "step_ms_per_sequence": round(statistics.fmean(step_ms) / batch, 4),
