@@ -23,18 +23,22 @@ import numpy as np
 import paddle
 
 from config.engine_config import EngineConfig
-from inter_communicator.messages import StepBatch, StepResult
+from inter_communicator.messages import ScheduledSeq, StepBatch, StepResult, TokenLogprobs
 from cache_manager.kv_layout import device_cache_segment, device_cache_shape
 from inter_communicator.shm import SharedArray
 from worker.attention import AttentionMetadata, build_attention_metadata, kv_cache_views
 from worker.loader import load_weights
 from worker.models import get_model_class
-from worker.sampler import Sampler, SamplingError
+from worker.logprobs import token_logprobs
+from worker.sampler import NON_FINITE_LOGITS, Sampler, SamplingError, as_float32_numpy
 
 if TYPE_CHECKING:
     from worker.expert_parallel import DataParallelExpertParallel
 
 logger = logging.getLogger(__name__)
+
+# Prompt positions per LM-head slice for prompt logprobs: 256 x 49152 float32 logits = 48 MiB.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def kv_cache_segment_name(config: EngineConfig, tp_rank: int) -> str:
@@ -154,31 +158,71 @@ class ModelRunner:
         return input_ids, positions
 
     def _sample(self, batch: StepBatch, hidden: paddle.Tensor, result: StepResult) -> None:
-        rows, sampled = [], []
+        """Sample the sequences that need a token (with their logprobs if asked) and compute the
+        prompt logprobs of the chunks that ask for them; per-request failures go to ``result.errors``."""
+        last_rows: list[tuple[int, ScheduledSeq]] = []
         offset = 0
         for seq in batch.seqs:
+            if seq.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, hidden, offset, result)
             offset += len(seq.token_ids)
             if seq.needs_sample:
-                rows.append(offset - 1)
-                sampled.append(seq)
-        if not sampled:
+                last_rows.append((offset - 1, seq))
+        # A request whose prompt logprobs failed is stopped: it gets no token either.
+        last_rows = [(row, seq) for row, seq in last_rows if seq.request_id not in result.errors]
+        if not last_rows:
             return
+        rows = [row for row, _ in last_rows]
+        sampled = [seq for _, seq in last_rows]
         last_hidden = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
-        logits = self.model.compute_logits(last_hidden)
+        logits = as_float32_numpy(self.model.compute_logits(last_hidden))
         params = [seq.sampling_params for seq in sampled]
         num_output_tokens = [seq.num_output_tokens for seq in sampled]
+        reasons: dict[int, str] = {}
         try:
-            tokens = self.sampler.sample(logits, params, num_output_tokens)
+            tokens = self.sampler.sample(logits, params, num_output_tokens, sampled)
         except SamplingError as exc:
-            # Rows with non-finite logits fail their request; the others keep the tokens already drawn.
-            tokens = exc.tokens
-            for row in exc.rows:
+            # Rows that cannot be sampled fail their request; the others keep the tokens already drawn.
+            tokens, reasons = exc.tokens, exc.reasons
+            for row, reason in reasons.items():
                 seq = sampled[row]
-                result.errors[seq.request_id] = ("the model produced non-finite logits (NaN/inf) at output "
-                                                 f"position {seq.num_output_tokens}; the request was stopped")
+                result.errors[seq.request_id] = (f"{reason} at output position {seq.num_output_tokens}; "
+                                                 "the request was stopped")
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and i not in reasons]
+        if want:
+            # Raw logprobs: ``logits`` is the model's output, untouched by the sampler's processors.
+            for i, lp in zip(want, token_logprobs(logits[want], tokens[want], [params[i].logprobs for i in want])):
+                result.logprobs[sampled[i].request_id] = lp
         for seq, token in zip(sampled, tokens):
             if seq.request_id not in result.errors:
                 result.sampled_token_ids[seq.request_id] = int(token)
+
+    def _prompt_logprobs(self, seq: ScheduledSeq, hidden: paddle.Tensor, offset: int, result: StepResult) -> None:
+        """Logprobs of the prompt tokens this chunk predicts: position p of the chunk predicts the
+        token at p + 1, the chunk's last position predicts ``next_prompt_token_id`` (skipped when
+        None: it is the sampled position, or there is nothing after the prompt)."""
+        targets = list(seq.token_ids[1:])
+        if seq.next_prompt_token_id is not None:
+            targets.append(seq.next_prompt_token_id)
+        vocab = self.config.model.vocab_size
+        outside = [t for t in targets if not 0 <= t < vocab]
+        if outside:
+            result.errors[seq.request_id] = (f"prompt token id {outside[0]} is outside the vocabulary of {vocab} "
+                                             "tokens; the request was stopped")
+            return
+        out: list[TokenLogprobs] = []
+        # The LM head over a whole chunk would be [chunk, vocab] float32 (a 4k chunk: 800 MB): slice it.
+        for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            stop = min(start + PROMPT_LOGPROBS_ROWS, len(targets))
+            logits = as_float32_numpy(self.model.compute_logits(hidden[offset + start: offset + stop]))
+            finite = np.isfinite(logits).all(axis=1)
+            if not finite.all():
+                position = seq.context_len - len(seq.token_ids) + start + int(np.flatnonzero(~finite)[0])
+                result.errors[seq.request_id] = (f"{NON_FINITE_LOGITS} at prompt position {position}; "
+                                                 "the request was stopped")
+                return
+            out.extend(token_logprobs(logits, targets[start:stop], [seq.prompt_logprobs] * (stop - start)))
+        result.prompt_logprobs[seq.request_id] = out
 
     def close(self) -> None:
         self.kv_caches = []
