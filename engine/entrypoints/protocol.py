@@ -1,10 +1,16 @@
 """The OpenAI wire protocol of the API server: request models, response builders, error bodies.
 
 Owns: parsing and validating ``/v1/completions`` and ``/v1/chat/completions`` request bodies
-(pydantic v2, strict types: a value of the wrong JSON type is a 400, never silently coerced;
-unknown fields are ignored because OpenAI clients send extras), turning a valid request into
-``SamplingParams``, and building the JSON of responses, stream chunks, usage and errors.
-Pure functions and models only: no I/O, no tokenizer, no engine.
+(pydantic v2, strict types: a value of the wrong JSON type is a 400, never silently coerced),
+turning a valid request into ``SamplingParams``, and building the JSON of responses, stream
+chunks, usage and errors. Pure functions and models only: no I/O, no tokenizer, no engine.
+
+Nothing silently ignored: every field of OpenAI's request schemas and of vLLM's extensions is
+declared. Each is honoured, refused with a 400 naming it unless it has its neutral value
+(``COMPLETION_REFUSALS`` / ``CHAT_REFUSALS``, range checks in ``check_supported``), accepted
+as bookkeeping that cannot change the output (``NO_EFFECT_FIELDS``), or handed to the serving
+layer (structured output and tools). Keys no schema has are ignored, as OpenAI clients send
+extras, and logged once per name.
 """
 from __future__ import annotations
 
@@ -62,7 +68,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # Unknown request keys already logged (each name once per process: clients repeat them on every request).
+# Bounded: a client inventing new names on every request must not grow it (nor the log) without end.
 _logged_unknown_fields: set[str] = set()
+_MAX_LOGGED_UNKNOWN_FIELDS = 256
 
 
 def _is_none(value: Any) -> bool:
@@ -238,9 +246,9 @@ class GenerationRequest(_StrictModel):
 
     def _log_unknown_fields(self) -> None:
         for name in self.model_extra or {}:
-            if name not in _logged_unknown_fields:
+            if name not in _logged_unknown_fields and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:
                 _logged_unknown_fields.add(name)
-                logger.warning("ignoring the unknown request field %r (logged once)", name)
+                logger.warning("ignoring the unknown request field %r (logged once)", name[:100])
 
     # -- checks and derived values
 

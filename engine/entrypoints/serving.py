@@ -1,10 +1,25 @@
 """The OpenAI serving classes: what happens to one completion / chat request.
 
 Owns: ``OpenAIServing`` (the per-request flow: read body -> validate -> tokenize -> check lengths
--> ``EngineClient.generate`` -> detokenize + stop strings -> JSON or SSE, and the shutdown drain:
-new requests get 503, requests in flight may finish until a deadline, the rest end with an
-error), ``_Generation`` (engine outputs -> text deltas), and the rule that a request whose
-consumer goes away (client disconnect, stop string) is aborted in the engine.
+-> one ``EngineRequest`` per prompt -> ``EngineClient.generate`` -> per-choice detokenize, stop
+strings and logprobs -> JSON or SSE, and the shutdown drain: new requests get 503, requests in
+flight may finish until a deadline, the rest end with an error), ``_Generation`` (outputs of one
+engine request, n choices, -> choice deltas), ``_ChoiceFormatter`` (choice deltas -> response
+JSON), the places structured output and tools plug in (``_structured_output_spec``,
+``_tool_call_spec``), and the rule that a request whose consumer goes away (client disconnect,
+every choice cut at a stop string) is aborted in the engine.
+
+Choices and prompts: a batched ``/v1/completions`` request sends one engine request per prompt,
+each with ``SamplingParams.n`` choices; choice i of prompt p is response index ``p * n + i``
+(vLLM's numbering), non-streamed choices come in index order, streamed chunks of different
+choices interleave (one choice per chunk, each with its finish), one ``[DONE]``. Usage counts
+each prompt once and every choice's generated tokens. Stop strings are applied per choice; a
+choice cut at one is finished for the client while the engine may still run it until all the
+request's choices are finished or cut (then the request is aborted).
+
+Budgets: ``/v1/completions`` without ``max_tokens`` gets 16 (OpenAI), a chat completion what
+the context leaves (vLLM), capped by the server's ``max_tokens_default``. ``echo`` with
+``max_tokens: 0`` answers the prompt alone: the engine generates one token, dropped here.
 
 Which layer checks what (decided once, here and in the scheduler):
 
