@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from cache_manager.kv_cache_manager import KVCacheManager
 from engine.request import RequestOutput
@@ -247,7 +247,8 @@ class Scheduler:
         needed = len(parent.pending_children) * self.kv_cache.fork_cost(parent)
         return needed <= self.kv_cache.num_free_blocks
 
-    def _preempt_until(self, seq: Sequence, fits) -> tuple[bool, bool]:
+    def _preempt_until(self, seq: Sequence, fits: Callable[[], bool]) -> tuple[bool, bool]:
+        """Preempt from the back of the running list until ``fits()``; returns (seq fits, anything preempted)."""
         preempted = False
         while not fits():
             victim = self.running.pop()
