@@ -81,6 +81,7 @@ def request_of(**fields):
 def test_defaults_and_choices() -> None:
     assert parse_tool_request({}) is None
     assert parse_tool_request({"tools": [], "tool_choice": "none"}) is None
+    assert parse_tool_request({"tool_choice": "auto", "parallel_tool_calls": False}) is None
     auto = request_of()
     assert (auto.choice, auto.parallel, auto.active, auto.constrained) == ("auto", True, True, False)
     assert [tool.name for tool in auto.tools] == ["get_weather", "add"]
@@ -93,7 +94,8 @@ def test_defaults_and_choices() -> None:
 
 
 @pytest.mark.parametrize("fields, param, message", [
-    ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "needs tools"),
     ({"tools": {"type": "function"}}, "tools", "must be a list"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0].type must be 'function'"),
     ({"tools": [{"type": "function"}]}, "tools", "tools[0].function must be an object"),
@@ -238,6 +240,8 @@ def test_template_that_takes_tools_gets_them() -> None:
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "tool", "content": "x"}], "needs a 'tool_call_id'"),
     ([{"role": "tool", "tool_call_id": "c"}], "needs 'content'"),
+    ([{"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": 5}]}], "list of text parts"),
+    ([{"role": "tool", "tool_call_id": "c", "content": {"a": 1}}], "list of text parts"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "only allowed on assistant"),
     ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}], "'arguments'"),
     ([{"role": "assistant", "tool_calls": "call"}], "must be a list"),
@@ -518,7 +522,7 @@ def test_server_async_client_required_calls(server) -> None:
 @pytest.mark.parametrize("extras, param, message", [
     ({"tools": SERVER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not in tools"),
-    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "function.name"),
     ({"tools": SERVER_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "tool_choice"),

@@ -123,8 +123,10 @@ def parse_tool_request(fields: Mapping[str, Any]) -> ToolRequest | None:
     if parallel is not None and not isinstance(parallel, bool):
         raise StructuredRequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if raw_tools is None or raw_tools == []:
-        if tool_choice not in (None, "none"):
-            raise StructuredRequestError("tool_choice is only allowed when tools are given", param="tool_choice")
+        # "none" and "auto" without tools change nothing (there is nothing to call); clients send them.
+        if tool_choice not in (None, "none", "auto"):
+            raise StructuredRequestError("tool_choice 'required' or a named function needs tools",
+                                         param="tool_choice")
         return None
     if not isinstance(raw_tools, list):
         raise StructuredRequestError("tools must be a list of function tools", param="tools")
@@ -329,6 +331,11 @@ def check_tool_messages(messages: list[dict]) -> None:
             content = message.get("content")
             if content is None:
                 raise InvalidRequestError(f"messages[{index}] (role 'tool') needs 'content'")
+            if not isinstance(content, str) and not (
+                    isinstance(content, list) and all(isinstance(part, Mapping) and part.get("type") == "text"
+                                                      and isinstance(part.get("text"), str) for part in content)):
+                raise InvalidRequestError(
+                    f"messages[{index}].content (role 'tool') must be a string or a list of text parts")
 
 
 def _arguments_object(arguments: str) -> Any:
@@ -342,9 +349,8 @@ def _arguments_object(arguments: str) -> Any:
 def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "\n".join(part.get("text", "") for part in content if isinstance(part, Mapping))
-    return json.dumps(content, ensure_ascii=False)
+    # A list of text parts (check_tool_messages made sure of it), joined as the tokenizer joins them.
+    return "\n".join(part["text"] for part in content)
 
 
 # ---------------------------------------------------------------------------------------------
