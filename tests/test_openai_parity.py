@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 from typing import Any, Iterator
 
@@ -311,3 +312,30 @@ def test_min_tokens_delays_the_end(client: openai.OpenAI) -> None:
     assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 20
     longer = client.completions.create(extra_body={"min_tokens": 20}, **kwargs)
     assert longer.usage.completion_tokens >= 20
+
+
+def _engine_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, Any]:
+    """/health once nothing runs in the API server nor in the engine (or the last reading at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(server.base_url + "/health", timeout=10).json()
+        if health["active_requests"] == 0 and health["scheduler"]["num_running"] == 0 \
+                and health["scheduler"]["num_waiting"] == 0:
+            return health
+        if time.monotonic() > deadline:
+            return health
+        time.sleep(0.2)
+
+
+def test_disconnect_aborts_every_choice_of_every_prompt(client: openai.OpenAI, server: ServerProcess) -> None:
+    long_run = dict(model=MODEL, prompt=["Tell a long story.", "Count to one thousand."], n=2, max_tokens=1500,
+                    temperature=1.0, extra_body={"ignore_eos": True})
+    stream = client.completions.create(stream=True, **long_run)
+    chunks = iter(stream)
+    assert {next(chunks).choices[0].index for _ in range(8)}  # the sequences are running
+    busy = httpx.get(server.base_url + "/health", timeout=10).json()
+    assert busy["scheduler"]["num_running"] + busy["scheduler"]["num_waiting"] >= 1
+    stream.close()
+    health = _engine_idle(server)
+    assert (health["active_requests"], health["scheduler"]["num_running"], health["scheduler"]["num_waiting"]) \
+        == (0, 0, 0)

@@ -337,3 +337,72 @@ def test_sse_event_framing() -> None:
     assert event.count(b"\n") == 2
     assert json.loads(event[len(b"data: "):].decode("utf-8")) == {"text": "héllo 日本"}
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+# --- choices and logprobs formatting (engine/entrypoints/choices.py, logprobs_format.py) ------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from config.model_config import default_model_path
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(default_model_path())
+
+
+def test_a_character_split_across_tokens_is_released_with_its_last_byte(tokenizer) -> None:
+    from engine.entrypoints.choices import ChoiceState
+    from engine.entrypoints.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
+    from inter_communicator.messages import TokenLogprobs
+
+    ids = tokenizer.encode(" 日 ok")  # " 日" is three byte-level tokens: " \xe6", "\x97", "\xa5"
+    state = ChoiceState(0, tokenizer, [])
+    deltas = [state.add([token], [TokenLogprobs(token, -0.5, 1, [token], [-0.5])], i == len(ids) - 1,
+                        "length" if i == len(ids) - 1 else None) for i, token in enumerate(ids)]
+    # The space before the split character goes out at once with the first token; the two tokens that
+    # complete the character wait (no text yet) and go out with it.
+    assert [(d.text, d.token_ids) for d in deltas] == [(" ", ids[:1]), ("", []), ("日", ids[1:3]), (" ok", ids[3:])]
+    entries = [e for d in deltas for e in d.entries]
+    assert [e.token_id for e in entries] == ids and [e.offset for e in entries] == sorted(e.offset for e in entries)
+    texts = TokenTexts(tokenizer)
+    # Raw bytes of each token add up to the text's UTF-8, even where one token holds part of a character.
+    assert b"".join(bytes(item["bytes"]) for item in chat_logprobs(entries, texts, 0)["content"]) \
+        == " 日 ok".encode()
+    shown = completion_logprobs(entries, texts, 1)
+    assert shown["token_logprobs"] == [-0.5] * len(ids)
+    assert all(len(top) == 1 for top in shown["top_logprobs"])
+
+
+def test_stop_string_cut_and_include_stop_str(tokenizer) -> None:
+    from engine.entrypoints.choices import ChoiceState
+
+    ids = tokenizer.encode(" one two three four")
+    for include, text, kept in ((False, " one", 1), (True, " one two", 2)):
+        state = ChoiceState(3, tokenizer, [" two"], include_stop_str=include)
+        deltas = [state.add([token], None, False, None) for token in ids]
+        assert "".join(d.text for d in deltas) == text
+        assert [e.token_id for d in deltas for e in d.entries] == ids[:kept]
+        assert state.finish_reason == "stop" and deltas[-1].index == 3
+        # Tokens the engine sends after the cut are not shown.
+        assert state.add(ids[:1], None, True, "length").empty
+
+
+def test_echo_only_choice_drops_the_generated_token(tokenizer) -> None:
+    from engine.entrypoints.choices import ChoiceState, PromptEcho
+
+    state = ChoiceState(0, tokenizer, [], drop_generated=True)
+    delta = state.add([42], None, True, "length")
+    assert (delta.text, delta.token_ids, delta.finish_reason, state.completion_tokens) == ("", [], "length", 0)
+    prompt = PromptEcho.build(tokenizer, tokenizer.encode("Hello there"), None)
+    assert prompt.text == "Hello there" and [e.offset for e in prompt.entries] == [0, 5]
+
+
+def test_vllm_prompt_logprobs_shape(tokenizer) -> None:
+    from engine.entrypoints.logprobs_format import NEG_INF_LOGPROB, TokenTexts, vllm_prompt_logprobs
+    from inter_communicator.messages import TokenLogprobs
+
+    ids = tokenizer.encode("Hello there")
+    shown = vllm_prompt_logprobs(ids, [None, TokenLogprobs(ids[1], float("-inf"), 7, [5, 6], [-0.1, -0.2])],
+                                 TokenTexts(tokenizer), 2)
+    assert shown[0] is None
+    assert shown[1] == {"5": {"logprob": -0.1, "rank": 1, "decoded_token": tokenizer.decode([5], False)},
+                        "6": {"logprob": -0.2, "rank": 2, "decoded_token": tokenizer.decode([6], False)},
+                        str(ids[1]): {"logprob": NEG_INF_LOGPROB, "rank": 7, "decoded_token": " there"}}
