@@ -539,3 +539,37 @@ def test_server_tool_message_without_call_id_is_a_400(client) -> None:
         client.chat.completions.create(model=MODEL, max_tokens=5, messages=QUESTION + [
             {"role": "tool", "content": "22 degrees"}])
     assert "tool_call_id" in info.value.body["message"]
+
+
+@pytest.mark.integration
+def test_server_n_choices_each_carry_their_calls_streamed(client) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS, tool_choice="required",
+                                            n=2, temperature=1.0, seed=11, max_tokens=120, stream=True,
+                                            stream_options={"include_usage": True})
+    calls: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    finishes, usage = {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls[choice.index].setdefault(delta.index, {"name": None, "arguments": ""})
+                call["name"] = (delta.function.name if delta.function and delta.function.name else call["name"])
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        assert calls[index]
+        for call in calls[index].values():
+            jsonschema.validate(json.loads(call["arguments"]), SERVER_PARAMETERS[call["name"]])
+    assert usage is not None and usage.completion_tokens > 0
+
+
+@pytest.mark.integration
+def test_server_tool_choice_none_does_not_render_or_parse(client) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0.0)
+    none = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=SERVER_TOOLS, tool_choice="none",
+                                          max_tokens=30, temperature=0.0)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
