@@ -5,7 +5,8 @@ Measures what the engine adds to each decode step when every sequence of the bat
 plus one ``accept`` per sequence (``step_ms``), over whole generations driven by a random sampler under the mask (a
 finished sequence is replaced by a fresh one with the same spec, so the batch stays full); on every
 other step the masks come from one ``bitmask(seq_id)`` call per sequence instead, for comparison. Also the grammar compile time,
-cold and from the cache. Prints one JSON report (and writes it to ``--out``).
+cold and from the cache, and the worker's side: ``apply_logits_processors`` setting the disallowed
+logits of the batch to -inf. Prints one JSON report (and writes it to ``--out``).
 
     python benchmarks/structured_output.py --batch-sizes 8 32 --steps 200
 """
@@ -24,9 +25,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config.model_config import default_model_path, load_model_config  # noqa: E402
+from config.sampling_params import SamplingParams  # noqa: E402
 from config.structured_output import JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutputSpec  # noqa: E402
 from engine.structured_output import StructuredOutputManager, ll_tokenizer_from  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
+from worker.logits_processors import RowState, apply_logits_processors  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,9 @@ def run_batch(manager: StructuredOutputManager, eos_ids: tuple[int, ...], batch:
         if not manager.wait_ready(seq_id, 60.0):
             raise RuntimeError(f"{seq_id} did not compile in 60 s")
     out = np.empty((batch, manager.mask_words), dtype=np.int32)
-    mask_ms, single_ms, accept_ms = [], [], []
+    mask_ms, single_ms, accept_ms, apply_ms = [], [], [], []
+    base_logits = rng.standard_normal((batch, manager.vocab_size)).astype(np.float32)
+    params = [SamplingParams() for _ in range(batch)]
     for step in range(steps):
         # Even steps: one batched call; odd steps: one ``bitmask(seq_id)`` call per sequence (what the
         # scheduler does today). Only the first computation of a step is timed: llguidance caches a
@@ -78,6 +83,13 @@ def run_batch(manager: StructuredOutputManager, eos_ids: tuple[int, ...], batch:
             masks = None if any(row is None for row in rows) else np.stack(rows)
         if masks is None:
             raise RuntimeError("a sequence of the batch is not ready")
+        # The worker's part: its batched logits processors applying these masks (the copy is not timed).
+        logits = base_logits.copy()
+        start = time.perf_counter()
+        errors = apply_logits_processors(logits, params, [RowState(allowed_token_bitmask=row) for row in masks])
+        apply_ms.append((time.perf_counter() - start) * 1e3)
+        if errors:
+            raise RuntimeError(f"the worker refused the masks: {errors}")
         # The sampler's part (not timed): a random allowed token per row.
         bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :manager.vocab_size]
         tokens = []
@@ -111,6 +123,8 @@ def run_batch(manager: StructuredOutputManager, eos_ids: tuple[int, ...], batch:
         "per_sequence_calls_ms_mean": round(statistics.fmean(single_ms), 3),
         "per_sequence_calls_ms_p50": round(percentile(single_ms, 50), 3),
         "accept_ms_mean": round(statistics.fmean(accept_ms), 3),
+        "worker_apply_ms_mean": round(statistics.fmean(apply_ms), 3),
+        "worker_apply_ms_p50": round(percentile(apply_ms, 50), 3),
         "step_ms_mean": round(statistics.fmean(step_ms), 3),
         "step_ms_per_sequence": round(statistics.fmean(step_ms) / batch, 4),
         "generations_completed": sum(generation),

@@ -30,7 +30,7 @@ import numpy as np
 
 import llguidance
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from config.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutputSpec
 
@@ -129,8 +129,11 @@ class StructuredOutputManager:
         self._grammar_cache: OrderedDict[StructuredOutputSpec, LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._seqs: dict[str, _SeqState] = {}
-        # One executor thread by default: the engine shares the host's cores with the worker's forward.
-        self._executor = LLExecutor(num_threads=mask_threads)
+        # By default masks are computed in the engine thread (mask_threads=1): the engine shares the
+        # host's cores with the worker's forward. More threads: llguidance's executor splits a batch.
+        if mask_threads < 1:
+            raise ValueError(f"mask_threads must be at least 1, got {mask_threads}")
+        self._executor = LLExecutor(num_threads=mask_threads) if mask_threads > 1 else None
 
     @classmethod
     def for_model(cls, model_path: str, vocab_size: int, *, mask_threads: int = 1) -> "StructuredOutputManager":
@@ -215,7 +218,7 @@ class StructuredOutputManager:
         return None if masks is None else masks[0]
 
     def fill_bitmasks(self, seq_ids: list[str], out: np.ndarray | None = None) -> np.ndarray | None:
-        """Masks of several sequences at once, row i for ``seq_ids[i]`` (computed in one llguidance call).
+        """Masks of several sequences at once, row i for ``seq_ids[i]`` (split over ``mask_threads``).
 
         ``out``: a C-contiguous int32 array [len(seq_ids), mask_words] to fill (allocated if None).
         None if any of the sequences is not ready or failed.
@@ -230,7 +233,13 @@ class StructuredOutputManager:
             out = np.empty((len(seq_ids), self.mask_words), dtype=np.int32)
         elif out.shape != (len(seq_ids), self.mask_words) or out.dtype != np.int32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous int32 array of shape {(len(seq_ids), self.mask_words)}")
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
+        if self._executor is None or len(matchers) == 1:
+            # In the calling thread: handing masks to an executor thread adds a wake-up per call, which
+            # on a busy host costs more than the masks (benchmarks/structured_output.py, 2 cores).
+            for row, matcher in enumerate(matchers):
+                fill_next_token_bitmask(matcher, out, row)
+        else:
+            fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
         out &= self._valid_mask()
         return out
 

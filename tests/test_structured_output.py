@@ -245,6 +245,21 @@ def test_batched_masks_equal_single_masks(manager, tokenizer) -> None:
     assert not np.array_equal(batch[0], batch[1])
 
 
+def test_batched_masks_with_an_executor_equal_in_thread_masks(manager, tokenizer) -> None:
+    threaded = StructuredOutputManager(ll_tokenizer_from(tokenizer.backend, tokenizer.eos_token_ids, MODEL_VOCAB),
+                                       MODEL_VOCAB, tokenizer_vocab_size=tokenizer.vocab_size, mask_threads=2)
+    try:
+        specs = [StructuredOutputSpec(JSON_SCHEMA, json.dumps(PERSON_SCHEMA)), StructuredOutputSpec(REGEX, r"\d+")]
+        for index, spec in enumerate(specs):
+            for owner in (manager, threaded):
+                owner.add(f"exec-{index}", spec)
+                assert owner.wait_ready(f"exec-{index}", COMPILE_TIMEOUT)
+        ids = [f"exec-{index}" for index in range(len(specs))]
+        np.testing.assert_array_equal(threaded.fill_bitmasks(ids), manager.fill_bitmasks(ids))
+    finally:
+        threaded.close()
+
+
 def test_same_spec_reuses_the_compiled_grammar(manager) -> None:
     spec = StructuredOutputSpec(REGEX, r"cached-[0-9]")
     manager.add("first", spec)
