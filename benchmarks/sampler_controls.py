@@ -3,7 +3,7 @@
 This script owns the sampler's cost figures in the README: one ``Sampler.sample`` call on a
 [batch, vocab] float32 logits array (random, model-like spread), median of ``--repeat`` calls,
 for a batch of plain rows (the fast path), of rows using each control, and the cost of the raw
-logprobs (``worker.logprobs.token_logprobs``) on top. With ``--baseline FILE`` it also times the
+logprobs (``worker.logprobs.token_logprobs``) on top, with the worker's malloc tuning. With ``--baseline FILE`` it also times the
 plain rows with another sampler module (e.g. the one before the controls existed) so the fast path
 can be compared with what it cost before:
 
@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     envs.apply_compute_thread_env(args.threads)
     import numpy as np
+
+    from worker.worker_process import tune_malloc
+
+    # As the worker: freed multi-MB buffers stay in the heap, so no call page-faults them in again.
+    tune_malloc()
 
     from config.sampling_params import SamplingParams
     from worker.logits_processors import RowState

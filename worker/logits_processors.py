@@ -214,7 +214,8 @@ def apply_logits_processors(
         row_max = logits[processed].max(axis=1) if processed.size < rows else logits.max(axis=1)
         for i, m in zip(processed.tolist(), row_max.tolist()):
             if m == -np.inf:
-                errors[i] = "every token is excluded (structured-output mask, bad words, min_tokens bans and logit_bias)"
+                errors[i] = ("every token is excluded (by the structured-output mask, bad words "
+                             "and min_tokens bans together)")
             elif not np.isfinite(m):
                 errors[i] = "logits became non-finite after penalties/bias (repetition_penalty too small or too large?)"
     if errors:
