@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness.server import ServerProcess
@@ -207,14 +208,29 @@ def test_paddle_import_filter_passes_other_output_through(tmp_path: Path) -> Non
 
 
 @pytest.mark.integration
-def test_server_output_has_no_paddle_start_up_noise(tmp_path: Path) -> None:
+def test_first_run_server_output_is_clean_and_max_tokens_default_caps_chat(tmp_path: Path) -> None:
+    """One server, started as a user would (plus a small KV pool): its whole output, start to stop, has no
+    Paddle notice and no traceback; --max-tokens-default caps a chat completion without max_tokens, while
+    /v1/completions keeps OpenAI's default of 16."""
     log = tmp_path / "server.log"
-    with ServerProcess("--num-gpu-blocks-override", "16", "--max-num-seqs", "4", log_path=log) as server:
-        assert server.descendants()
+    with ServerProcess("--num-gpu-blocks-override", "16", "--max-num-seqs", "4", "--max-tokens-default", "5",
+                       log_path=log) as server:
         started = log.read_text()
+        chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "temperature": 0, "ignore_eos": True}).json()
+        completion = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+            "prompt": "Once upon a time", "temperature": 0, "ignore_eos": True}).json()
+        capped = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "temperature": 0, "ignore_eos": True, "max_tokens": 9}).json()
     stopped = log.read_text()
     assert "worker ready" in started and "engine ready" in started  # the log holds every process's output
     for noise in PADDLE_NOISE:
         assert noise not in stopped, f"{noise!r} in the server's output:\n{stopped}"
     assert "Traceback" not in stopped and "FatalError" not in stopped, stopped
     assert server.graceful and server.leftovers == []
+
+    assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length", chat
+    assert completion["usage"]["completion_tokens"] == 16, completion
+    assert capped["usage"]["completion_tokens"] == 9, capped  # the flag is a default, not a limit
