@@ -580,3 +580,33 @@ def test_tool_messages_are_accepted(call) -> None:
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     assert call(CHAT, {"messages": messages, "max_tokens": 1}).status_code == 200
+
+
+# --- vLLM's tokenizer endpoints -------------------------------------------------------------------------------
+
+
+def get(engine: ScriptedEngine, path: str) -> httpx.Response:
+    app = build_app(engine, MODEL, MAX_MODEL_LEN)
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://scripted") as client:
+            return await client.get(path)
+    return asyncio.run(run())
+
+
+def test_tokenize_and_detokenize(call, tokenizer: Tokenizer) -> None:
+    body = call("/tokenize", {"prompt": "Hello there", "return_token_strs": True}).json()
+    assert body == {"count": 2, "max_model_len": MAX_MODEL_LEN, "tokens": tokenizer.encode("Hello there"),
+                    "token_strs": ["Hello", "Ġthere"]}
+    chat = call("/tokenize", {"messages": HELLO}).json()
+    assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(HELLO))
+    assert call("/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "Hello there"}
+    assert_400(call("/detokenize", {"tokens": [10**9]}), "tokens")
+    assert call("/tokenize", {"prompt": "x", "messages": HELLO}).status_code == 400
+    assert call("/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_tokenizer_info(engine: ScriptedEngine, tokenizer: Tokenizer) -> None:
+    info = get(engine, "/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == MAX_MODEL_LEN

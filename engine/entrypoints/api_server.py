@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI): ``build_app`` and its routes.
 
 Owns: the routes (``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/cache/reset``, ``/v1/cache/stats``) and how the app is put
+``/v1/chat/completions``, ``/v1/cache/reset``, ``/v1/cache/stats``, and vLLM's ``/tokenize``,
+``/detokenize``, ``/tokenizer_info``) and how the app is put
 together. What a route does lives elsewhere in this package: the request flow in ``serving``,
 error bodies in ``errors``, the API key in ``auth``, metric definitions in ``metrics``, uvicorn
 in ``http_server``. ``/health`` and ``/metrics`` are reachable without the API key.
@@ -20,6 +21,7 @@ from engine.entrypoints.errors import OpenAIJSONResponse, add_error_handlers
 from engine.entrypoints.metrics import METRICS_CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from engine.entrypoints.protocol import APIError, model_card, model_list
 from engine.entrypoints.serving import OpenAIServing
+from engine.entrypoints.tokenizer_routes import detokenize, tokenize, tokenizer_info
 
 if TYPE_CHECKING:
     from engine.entrypoints.dp_router import DPRouter
@@ -81,6 +83,20 @@ def build_app(engine: EngineClient | DPRouter, served_model_name: str, max_model
             raise APIError(f"The model '{model_id}' does not exist", status_code=404, param="model",
                            code="model_not_found")
         return OpenAIJSONResponse(model_card(served_model_name, max_model_len, serving.created))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's tokenizer endpoint (harnesses use it instead of downloading the tokenizer)."""
+        body = await serving.read_body(request)
+        return OpenAIJSONResponse(tokenize(serving.tokenizer, body, served_model_name, max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return OpenAIJSONResponse(detokenize(serving.tokenizer, await serving.read_body(request), served_model_name))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return OpenAIJSONResponse(tokenizer_info(serving.tokenizer, max_model_len))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
