@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass, field, replace
 
 import envs
-from config.model_config import ModelConfig, default_model_path, load_model_config
+from config.model_config import ModelConfig, default_model_path, load_model_config, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +315,26 @@ def _load_model(model_path: str) -> ModelConfig:
     elif not model_path.endswith(".gguf"):
         raise ConfigError(f"--model {model_path!r} is neither a .gguf file nor a Hugging Face model directory")
     try:
-        return load_model_config(model_path)
+        config = load_model_config(model_path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # A truncated GGUF or a config.json missing a field: one line instead of the reader's traceback.
         raise ConfigError(f"--model {model_path!r} cannot be read: {exc}") from exc
+    if config.format != "gguf":
+        _check_safetensors(weight_files(config))
+    return config
+
+
+def _check_safetensors(paths: list[str]) -> None:
+    """Open each shard's header now (cheap: no tensor is read), so a truncated or corrupt file fails here
+    with one line rather than in the worker, after the processes have started."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in paths:
+        try:
+            with safe_open(path, framework="np"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"--model: weight file {path!r} cannot be read: {exc}") from exc
 
 
 def _shm_free_bytes() -> int:

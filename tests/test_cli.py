@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from config.model_config import default_model_path
 from harness.server import ServerProcess
+from scripts.make_tiny_moe import make_tiny_moe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -47,7 +49,15 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (partial / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     not_a_dir = tmp_path_factory.mktemp("storage") / "a_file"
     not_a_dir.write_text("")
-    return {"empty": str(empty), "partial": str(partial), "file": str(not_a_dir)}
+    # A complete tiny checkpoint whose weights file then loses its tail (a download cut short).
+    truncated = make_tiny_moe(str(tmp_path_factory.mktemp("truncated_model")), seed=0)
+    weights = Path(truncated) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    truncated_gguf = tmp_path_factory.mktemp("truncated_gguf") / "model.gguf"
+    with open(default_model_path(), "rb") as source:
+        truncated_gguf.write_bytes(source.read(5_000_000))
+    return {"empty": str(empty), "partial": str(partial), "file": str(not_a_dir), "truncated": truncated,
+            "truncated_gguf": str(truncated_gguf)}
 
 
 def help_flags(text: str) -> set[str]:
@@ -99,6 +109,8 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
     ("--model", ("--model", "{partial}"), "*.safetensors"),
     ("--model", ("--model", "/nonexistent/model.gguf"), "does not exist"),
     ("--model", ("--model", "{file}"), "neither a .gguf file nor"),
+    ("--model", ("--model", "{truncated}"), "incomplete metadata"),
+    ("--model", ("--model", "{truncated_gguf}"), "cannot be read"),
     ("--kv-cache-space", ("--kv-cache-space", "nan"), "positive"),
     ("--kv-cache-space", ("--kv-cache-space", "100000"), "/dev/shm"),
     ("--kv-cache-space", ("--kv-cache-space", "0.5", "--num-gpu-blocks-override", "16"),
