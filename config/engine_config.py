@@ -397,6 +397,10 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         storage = StorageConfig(backend=args.kvcache_storage_backend)
         if args.file_backend_storage_dir:  # else the envs.py default stays
             storage.file_dir = args.file_backend_storage_dir
+        if storage.backend == "mooncake" and not storage.mooncake_master_addr:
+            # Else the cache transfer process fails at start-up, after the model is loaded.
+            raise ConfigError("--kvcache-storage-backend mooncake needs MOONCAKE_MASTER_SERVER_ADDR "
+                              "(host:port of the Mooncake master; scripts/start_mooncake_master.sh starts one)")
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(

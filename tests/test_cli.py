@@ -30,8 +30,9 @@ PORT = ("--port", "18997")
 
 
 def run_launch(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {name: value for name, value in os.environ.items() if name != "MOONCAKE_MASTER_SERVER_ADDR"}
     return subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+                          timeout=TIMEOUT_S, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,7 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
     ("--file-backend-storage-dir", ("--kvcache-storage-backend", "file", "--file-backend-storage-dir", "{file}"),
      "not a directory"),
     ("--max-tokens-default", ("--max-model-len", "256", "--max-tokens-default", "256"), "no room for a prompt"),
+    ("--kvcache-storage-backend", ("--kvcache-storage-backend", "mooncake"), "MOONCAKE_MASTER_SERVER_ADDR"),
     ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),
 ]
 
