@@ -8,7 +8,7 @@ chunks, usage and errors. Pure functions and models only: no I/O, no tokenizer, 
 Nothing silently ignored: every field of OpenAI's request schemas and of vLLM's extensions is
 declared. Each is honoured, refused with a 400 naming it unless it has its neutral value
 (``COMPLETION_REFUSALS`` / ``CHAT_REFUSALS``, range checks in ``check_supported``), accepted
-as bookkeeping that cannot change the output (``NO_EFFECT_FIELDS``), or handed to the serving
+as bookkeeping that cannot change the output (user, metadata, ...), or handed to the serving
 layer (structured output and tools). Keys no schema has are ignored, as OpenAI clients send
 extras, and logged once per name.
 """
@@ -132,16 +132,10 @@ CHAT_REFUSALS: tuple[Refusal, ...] = COMMON_REFUSALS + (
     Refusal("mm_processor_kwargs", _is_falsy, "mm_processor_kwargs are not supported (text-only model)"),
 )
 
-# Structured output and tool fields: declared here, decided in serving (``_structured_output_spec`` and
-# ``_tool_call_spec``), which the structured-output work implements.
-STRUCTURED_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "structural_tag", "structured_outputs", "guided_decoding_backend",
-                            "guided_whitespace_pattern")
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
-
-# Fields accepted that do not change the output (bookkeeping for the client or for OpenAI's platform).
-NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                    "request_id", "include_reasoning")
+# Structured output and tool fields are declared on the request models and decided in serving
+# (``_structured_output_spec``, ``_tool_call_spec``). Bookkeeping fields that cannot change the output
+# (user, metadata, store, service_tier, prompt_cache_key, safety_identifier, request_id,
+# include_reasoning) are declared and accepted as they are.
 
 
 class _StrictModel(BaseModel):
