@@ -497,6 +497,7 @@ def test_server_async_client_concurrent_with_plain_requests(server) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
      "response_format", "does not compile"),
     ({"extra_body": {"guided_grammar": "start: nowhere"}}, "guided_grammar", "unknown name"),
+    ({"extra_body": {"guided_grammar": 'start: "a" <|no_such_token|>'}}, "guided_grammar", "unknown special token"),
     ({"extra_body": {"guided_choice": "yes"}}, "guided_choice", "non-empty list of strings"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex", "only one"),
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
@@ -507,3 +508,12 @@ def test_server_bad_constraints_are_400s(client, extras, param, message) -> None
                                        messages=[{"role": "user", "content": "hi"}], max_tokens=5, **extras)
     error = info.value.body
     assert error["param"] == param and message in error["message"], error
+
+
+def test_validation_with_the_servers_tokenizer_checks_the_vocabulary(tokenizer) -> None:
+    fields = {"guided_grammar": 'start: "a" <|no_such_token|>'}
+    assert spec_from_request(fields) is not None  # the grammar alone is well-formed
+    with pytest.raises(StructuredRequestError, match="unknown special token") as info:
+        spec_from_request(fields, tokenizer=tokenizer)
+    assert info.value.param == "guided_grammar"
+    assert spec_from_request({"guided_grammar": 'start: "a" <|im_end|>'}, tokenizer=tokenizer) is not None

@@ -276,7 +276,8 @@ class _Prepared:
 _GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")
 
 
-def _structured_output_spec(parsed: GenerationRequest, tools: ToolRequest | None = None) -> StructuredOutputSpec | None:
+def _structured_output_spec(parsed: GenerationRequest, tools: ToolRequest | None = None,
+                            tokenizer: Tokenizer | None = None) -> StructuredOutputSpec | None:
     """The structured-output constraint of a request (``response_format``, ``guided_*``,
     ``structured_outputs``; see ``structured_request``), or the tool-call schema of ``required`` /
     a named ``tool_choice``; None when unconstrained. 400 naming the field for anything invalid.
@@ -290,7 +291,7 @@ def _structured_output_spec(parsed: GenerationRequest, tools: ToolRequest | None
                        f"got {backend!r}", param="guided_decoding_backend")
     try:
         spec = structured_request.spec_from_request(
-            {name: getattr(parsed, name, None) for name in structured_request.FIELDS})
+            {name: getattr(parsed, name, None) for name in structured_request.FIELDS}, tokenizer=tokenizer)
     except StructuredRequestError as exc:
         raise APIError(str(exc), param=exc.param) from None
     tool_spec = tool_calls.tool_call_spec(tools) if tools is not None else None
@@ -457,7 +458,7 @@ class OpenAIServing:
         """One engine request per prompt, with validated sampling parameters (400 on any problem)."""
         if parsed.stop_token_ids:
             self._check_token_ids(parsed.stop_token_ids, "stop_token_ids")
-        structured_output = _structured_output_spec(parsed, tools)
+        structured_output = _structured_output_spec(parsed, tools, self.tokenizer)
         bad_words = self.bad_words_token_ids(parsed.bad_words) if parsed.bad_words else []
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         engine_requests: list[EngineRequest] = []

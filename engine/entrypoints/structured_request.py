@@ -12,19 +12,29 @@ Owns the wire forms of structured output and their 400s. Accepted (document in t
 
 At most one of these may constrain a request (``response_format`` type ``text`` does not count); two are
 a 400 naming both. Every spec is compiled once here with llguidance (no tokenizer needed) so that a bad
-schema, regex or grammar is a 400 carrying the compiler's message, not an error after a 200.
+schema, regex or grammar is a 400 carrying the compiler's message, not an error after a 200; with the
+server's tokenizer (built for llguidance once, on the first constrained request) the check also covers
+what depends on the vocabulary, such as a grammar naming a special token the model lacks.
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import weakref
 from typing import Any, Mapping
+
+from llguidance import LLTokenizer
 
 from config.sampling_params import InvalidRequestError
 from config.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutputSpec
-from engine.structured_output import StructuredOutputError, validate_spec
+from engine.structured_output import StructuredOutputError, ll_tokenizer_from, validate_spec
 
 logger = logging.getLogger(__name__)
+
+# llguidance tokenizers of the API server's tokenizers (one in practice), dropped with their tokenizer.
+_LL_TOKENIZERS: "weakref.WeakKeyDictionary[Any, LLTokenizer]" = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS_LOCK = threading.Lock()
 
 # The request fields this module reads (the API server must treat them as handled, not unknown).
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -41,11 +51,27 @@ class StructuredRequestError(InvalidRequestError):
         self.param = param
 
 
-def spec_from_request(fields: Mapping[str, Any], *, validate: bool = True) -> StructuredOutputSpec | None:
+def grammar_tokenizer(tokenizer: Any) -> LLTokenizer:
+    """llguidance's view of the API server's tokenizer (``engine.tokenizer.Tokenizer``), built once (~0.2 s).
+
+    Validation with it also catches what only the vocabulary decides (a grammar naming a special token
+    the model does not have, a token id out of range).
+    """
+    with _LL_TOKENIZERS_LOCK:
+        cached = _LL_TOKENIZERS.get(tokenizer)
+        if cached is None:
+            cached = ll_tokenizer_from(tokenizer.backend, tokenizer.eos_token_ids, tokenizer.vocab_size)
+            _LL_TOKENIZERS[tokenizer] = cached
+        return cached
+
+
+def spec_from_request(fields: Mapping[str, Any], *, validate: bool = True,
+                      tokenizer: Any = None) -> StructuredOutputSpec | None:
     """The spec asked for by ``fields`` (a request's values of ``FIELDS``; missing = None), or None.
 
     Raises ``StructuredRequestError`` (400) for malformed fields, for more than one constraint, and
-    (``validate``) for a schema/regex/grammar that llguidance does not compile.
+    (``validate``) for a schema/regex/grammar that llguidance does not compile (against ``tokenizer``'s
+    vocabulary when given, see ``grammar_tokenizer``).
     """
     # (label for messages, request field for ``param``, spec)
     found: list[tuple[str, str, StructuredOutputSpec]] = []
@@ -71,14 +97,14 @@ def spec_from_request(fields: Mapping[str, Any], *, validate: bool = True) -> St
             f"only one structured output constraint may be given per request, got {names}", param=found[1][1])
     label, param, spec = found[0]
     if validate:
-        check_compiles(spec, label, param)
+        check_compiles(spec, label, param, None if tokenizer is None else grammar_tokenizer(tokenizer))
     return spec
 
 
-def check_compiles(spec: StructuredOutputSpec, label: str, param: str) -> None:
+def check_compiles(spec: StructuredOutputSpec, label: str, param: str, tokenizer: LLTokenizer | None = None) -> None:
     """400 with llguidance's message if ``spec`` does not compile; ``label`` names the field in the text."""
     try:
-        validate_spec(spec)
+        validate_spec(spec, tokenizer)
     except StructuredOutputError as exc:
         raise StructuredRequestError(f"{label} does not compile: {exc}", param=param) from None
 
