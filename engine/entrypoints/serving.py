@@ -605,7 +605,7 @@ class OpenAIServing:
         parsed = prepared.parsed
         include_usage = parsed.include_usage
         request_id, created, model = prepared.request_id, prepared.created, self.served_model_name
-        seen: list[ChoiceDelta] = []
+        first_finish: str | None = None  # the finish reason the metrics count the request under
         error: str | None = None
         try:
             if formatter.chat:
@@ -620,7 +620,7 @@ class OpenAIServing:
                         break
                     if not formatter.worth_sending(delta):
                         continue  # only part of a character so far
-                    seen.append(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))
+                    first_finish = first_finish or delta.finish_reason
                     # Tools: a delta may be held back (it may be a tool call) or end in tool-call chunks.
                     for choice in formatter.chunk_choices(delta):
                         if formatter.chat:
@@ -639,7 +639,8 @@ class OpenAIServing:
             error = f"internal error while streaming: {exc}"
         finally:
             if recorder is not None:
-                recorder.finish("error" if error is not None else _overall_finish(generations, seen))
+                recorder.finish("error" if error is not None or _first_error(generations) is not None
+                                else first_finish)
         if error is not None:
             logger.error("request %s failed in the engine: %s", request_id, error)
             yield sse_event(error_body(error, error_type=SERVER_ERROR, code="engine_error"))
