@@ -139,7 +139,8 @@ def test_chat_messages_validation() -> None:
 
 @pytest.mark.parametrize("parse, field, value", [
     (parse_completion, "n", 0), (parse_chat, "n", 129), (parse_completion, "logprobs", 21),
-    (parse_completion, "logprobs", -1), (parse_chat, "top_logprobs", 2), (parse_chat, "top_logprobs", 21),
+    (parse_completion, "logprobs", -1), (parse_chat, "top_logprobs", 2), (parse_chat, "top_logprobs", 0),
+    (parse_chat, "top_logprobs", 21),
     (parse_completion, "suffix", "end"), (parse_completion, "best_of", 2), (parse_chat, "best_of", 3),
     (parse_completion, "presence_penalty", 2.5), (parse_chat, "frequency_penalty", -2.1),
     (parse_completion, "repetition_penalty", 0.0), (parse_chat, "min_p", 1.5), (parse_completion, "min_tokens", -1),
@@ -165,7 +166,7 @@ def test_supported_and_neutral_values_pass() -> None:
     parse_completion(prompt=["a", "b"], n=3, best_of=3, logprobs=5, echo=True, max_tokens=0,
                      presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_p=0.1, min_tokens=2,
                      logit_bias={"12": -100, " 7": 100}, prompt_logprobs=20).check_supported()
-    parse_chat(n=1, logprobs=False, top_logprobs=0, modalities=["text"], stream=True,
+    parse_chat(n=1, logprobs=False, modalities=["text"], stream=True,
                stream_options={"include_usage": True}).check_supported()
     parse_chat(logprobs=True, top_logprobs=20, tool_choice="none", parallel_tool_calls=True, user="u",
                metadata={"k": "v"}, store=False, service_tier="auto", prompt_cache_key="k",

@@ -541,7 +541,7 @@ class ChatCompletionRequest(GenerationRequest):
         if not self.messages:
             raise APIError("messages must be a non-empty list", param="messages")
         _check_logprobs_count("top_logprobs", self.top_logprobs)
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     def message_dicts(self) -> list[dict[str, Any]]:
