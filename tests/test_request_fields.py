@@ -43,6 +43,7 @@ SCRIPT = " one two three four five six seven eight nine ten"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Say hello."}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 class ScriptedEngine:
@@ -179,7 +180,15 @@ def response_shows(predicate: Callable[[Any], bool]) -> Callable:
 
 REFUSED = "refused"  # 400 naming the field
 NO_EFFECT = "no effect"  # 200 and the engine request equals the baseline's
-STRUCTURED = "structured"  # structured output / tools: honoured (the engine gets a spec) or 400 "not supported yet"
+
+
+def constrained(kind: str) -> Callable:
+    """Honoured structured output: the engine gets a ``StructuredOutputSpec`` of ``kind``."""
+    def check(response: httpx.Response, engine: ScriptedEngine, baseline: EngineRequest) -> None:
+        assert response.status_code == 200, response.text
+        spec = engine.requests[-1].sampling_params.structured_output
+        assert spec is not None and spec.kind == kind, spec
+    return check
 
 
 def _first_choice(body: Any) -> dict:
@@ -249,15 +258,15 @@ COMPLETION_FIELDS: dict[str, tuple[Any, Any]] = {
     "bad_words": (["three"], _bad_words_check(["three"])),
     # vLLM extra parameters
     "add_special_tokens": (False, NO_EFFECT),  # honoured; this model's tokenizer adds no BOS anyway
-    "response_format": ({"type": "json_object"}, STRUCTURED),
-    "structured_outputs": ({"regex": "[0-9]+"}, STRUCTURED),
-    "guided_json": ({"type": "object"}, STRUCTURED),
-    "guided_regex": ("[0-9]+", STRUCTURED),
-    "guided_choice": (["yes", "no"], STRUCTURED),
-    "guided_grammar": ('start: "a"', STRUCTURED),
-    "structural_tag": ('{"type": "structural_tag"}', STRUCTURED),
-    "guided_decoding_backend": ("lm-format-enforcer", STRUCTURED),
-    "guided_whitespace_pattern": (" ", STRUCTURED),
+    "response_format": ({"type": "json_object"}, constrained("json_object")),
+    "structured_outputs": ({"regex": "[0-9]+"}, constrained("regex")),
+    "guided_json": ({"type": "object"}, constrained("json_schema")),
+    "guided_regex": ("[0-9]+", constrained("regex")),
+    "guided_choice": (["yes", "no"], constrained("choice")),
+    "guided_grammar": ('start: "a"', constrained("grammar")),
+    "structural_tag": ('{"type": "structural_tag"}', REFUSED),
+    "guided_decoding_backend": ("lm-format-enforcer", REFUSED),  # only llguidance (auto/llguidance/guidance)
+    "guided_whitespace_pattern": (" ", REFUSED),
     "priority": (3, REFUSED),
     "request_id": ("my-id", NO_EFFECT),
     "logits_processors": (["some.module.Processor"], REFUSED),
@@ -289,18 +298,18 @@ CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
     "n": (3, response_shows(lambda b: [c["index"] for c in b["choices"]] == [0, 1, 2])),
     "presence_penalty": (0.5, params_equal(presence_penalty=0.5)),
     "response_format": ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-                        STRUCTURED),
+                        constrained("json_schema")),
     "seed": (7, params_equal(seed=7)),
     "stop": ("two", response_shows(lambda b: _first_choice(b)["message"]["content"] == " one ")),
     "stream": (True, response_shows(lambda b: b[-1] == "[DONE]")),
     "stream_options": ({"include_usage": True}, REFUSED),  # without stream
     "temperature": (0.7, params_equal(temperature=0.7)),
     "top_p": (0.5, params_equal(top_p=0.5)),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], STRUCTURED),
-    "tool_choice": ("required", STRUCTURED),
+    "tools": (TOOLS, _prompt_changed),  # rendered into the prompt (tool_choice auto)
+    "tool_choice": ("required", None),  # with tools, checked below; without tools a 400 (test_tool_choice...)
     "parallel_tool_calls": (False, NO_EFFECT),  # no tools offered: nothing to parallelise
-    "functions": ([{"name": "f", "parameters": {"type": "object"}}], STRUCTURED),
-    "function_call": ({"name": "f"}, STRUCTURED),
+    "functions": ([{"name": "f", "parameters": {"type": "object"}}], REFUSED),  # deprecated: use tools
+    "function_call": ({"name": "f"}, REFUSED),
     "reasoning_effort": ("low", REFUSED),
     "include_reasoning": (False, NO_EFFECT),  # no reasoning parser: nothing to include or leave out
     "user": ("user-1", NO_EFFECT),
@@ -340,14 +349,14 @@ CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
     "chat_template": ("{{ messages }}", REFUSED),
     "chat_template_kwargs": ({"enable_thinking": True}, REFUSED),
     "mm_processor_kwargs": ({"x": 1}, REFUSED),
-    "structured_outputs": ({"choice": ["a", "b"]}, STRUCTURED),
-    "guided_json": ({"type": "object"}, STRUCTURED),
-    "guided_regex": ("[0-9]+", STRUCTURED),
-    "guided_choice": (["yes", "no"], STRUCTURED),
-    "guided_grammar": ('start: "a"', STRUCTURED),
-    "structural_tag": ('{"type": "structural_tag"}', STRUCTURED),
-    "guided_decoding_backend": ("lm-format-enforcer", STRUCTURED),
-    "guided_whitespace_pattern": (" ", STRUCTURED),
+    "structured_outputs": ({"choice": ["a", "b"]}, constrained("choice")),
+    "guided_json": ({"type": "object"}, constrained("json_schema")),
+    "guided_regex": ("[0-9]+", constrained("regex")),
+    "guided_choice": (["yes", "no"], constrained("choice")),
+    "guided_grammar": ('start: "a"', constrained("grammar")),
+    "structural_tag": ('{"type": "structural_tag"}', REFUSED),
+    "guided_decoding_backend": ("lm-format-enforcer", REFUSED),
+    "guided_whitespace_pattern": (" ", REFUSED),
     "priority": (3, REFUSED),
     "request_id": ("my-id", NO_EFFECT),
     "logits_processors": (["some.module.Processor"], REFUSED),
@@ -360,6 +369,7 @@ CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
 
 # Fields whose expectation needs a companion field: (path, field) -> (extra body, check).
 COMBINED: dict[tuple[str, str], tuple[dict[str, Any], Callable]] = {
+    (CHAT, "tool_choice"): ({"tools": TOOLS}, constrained("json_schema")),  # decoded under the call schema
     (COMPLETIONS, "include_stop_str_in_output"): (
         {"stop": ["two"]}, response_shows(lambda b: _first_choice(b)["text"] == " one two")),
     (CHAT, "include_stop_str_in_output"): (
@@ -403,15 +413,6 @@ def test_field_is_honoured_or_refused(call, engine: ScriptedEngine, path: str, f
         assert response.status_code == 200, response.text
         sent = engine.requests[-1]
         assert (sent.prompt_token_ids, sent.sampling_params) == (baseline.prompt_token_ids, baseline.sampling_params)
-    elif expectation == STRUCTURED:
-        if response.status_code == 400:
-            assert response.json()["error"]["param"] == field
-            assert len(engine.requests) == count
-        else:
-            assert response.status_code == 200, response.text
-            sent = engine.requests[-1]
-            assert sent.sampling_params.structured_output is not None or \
-                sent.prompt_token_ids != baseline.prompt_token_ids
     else:
         expectation(response, engine, baseline)
 
@@ -572,6 +573,10 @@ def test_unknown_model_is_404(call) -> None:
 ])
 def test_bad_values_are_400_naming_the_field(call, path: str, body: dict, field: str) -> None:
     assert_400(call(path, body), field)
+
+
+def test_tool_choice_required_without_tools_is_400(call) -> None:
+    assert_400(call(CHAT, {**BASE[CHAT], "tool_choice": "required"}), "tool_choice")
 
 
 def test_tool_messages_are_accepted(call) -> None:
