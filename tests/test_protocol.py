@@ -407,3 +407,17 @@ def test_vllm_prompt_logprobs_shape(tokenizer) -> None:
     assert shown[1] == {"5": {"logprob": -0.1, "rank": 1, "decoded_token": tokenizer.decode([5], False)},
                         "6": {"logprob": -0.2, "rank": 2, "decoded_token": tokenizer.decode([6], False)},
                         str(ids[1]): {"logprob": NEG_INF_LOGPROB, "rank": 7, "decoded_token": " there"}}
+
+
+def test_a_stop_token_id_is_listed_without_its_text(tokenizer) -> None:
+    from engine.entrypoints.choices import ChoiceState
+
+    one, two = tokenizer.encode(" one two")
+    for include, text in ((False, " one"), (True, " one two")):
+        state = ChoiceState(0, tokenizer, [], stop_token_ids=[two], include_stop_str=include)
+        first, last = state.add([one], None, False, None), state.add([two], None, True, "stop")
+        assert first.text + last.text == text
+        assert first.token_ids + last.token_ids == [one, two] and state.completion_tokens == 2
+    # The same token ending by length is ordinary text.
+    state = ChoiceState(0, tokenizer, [], stop_token_ids=[two])
+    assert state.add([one, two], None, True, "length").text == " one two"

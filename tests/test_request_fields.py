@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 MODEL = "scripted-model"
 MAX_MODEL_LEN = 256
-SCRIPT = " one two three four five six seven eight nine ten"
+# A special token inside the text: shown only with skip_special_tokens=false.
+SCRIPT = " one two three four five six seven eight nine ten<|im_start|> eleven"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -375,9 +376,10 @@ COMBINED: dict[tuple[str, str], tuple[dict[str, Any], Callable]] = {
     (CHAT, "include_stop_str_in_output"): (
         {"stop": ["two"]}, response_shows(lambda b: _first_choice(b)["message"]["content"] == " one two")),
     (COMPLETIONS, "skip_special_tokens"): (
-        {"max_tokens": 30}, response_shows(lambda b: _first_choice(b)["text"].endswith("<|im_end|>"))),
+        {"max_tokens": 30}, response_shows(lambda b: _first_choice(b)["text"].endswith("ten<|im_start|> eleven"))),
     (CHAT, "skip_special_tokens"): (
-        {"max_tokens": 30}, response_shows(lambda b: _first_choice(b)["message"]["content"].endswith("<|im_end|>"))),
+        {"max_tokens": 30},
+        response_shows(lambda b: _first_choice(b)["message"]["content"].endswith("ten<|im_start|> eleven"))),
     (COMPLETIONS, "return_tokens_as_token_ids"): (
         {"logprobs": 0}, response_shows(lambda b: _first_choice(b)["logprobs"]["tokens"][0].startswith("token_id:"))),
     (CHAT, "return_tokens_as_token_ids"): (
@@ -518,6 +520,22 @@ def test_all_choices_stopped_aborts_the_request(call, engine: ScriptedEngine) ->
     body = call(COMPLETIONS, {"prompt": "Hi", "stop": [" one"], "max_tokens": 8}).json()
     assert body["choices"][0]["finish_reason"] == "stop"
     assert engine.aborted == [engine.requests[-1].request_id]
+
+
+def test_the_eos_that_ends_a_choice_is_listed_without_text(call, tokenizer: Tokenizer) -> None:
+    # vLLM: the token that stopped generation (eos or a stop token id) is in the tokens and logprobs, and in
+    # completion_tokens, but its text is not (even with skip_special_tokens=false), unless
+    # include_stop_str_in_output.
+    body = call(COMPLETIONS, {"prompt": "Hi", "max_tokens": 30, "logprobs": 0, "skip_special_tokens": False,
+                              "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert (choice["finish_reason"], choice["text"]) == ("stop", tokenizer.decode(tokenizer.encode(SCRIPT), False))
+    assert choice["logprobs"]["tokens"][-1] == "<|im_end|>" and choice["logprobs"]["token_logprobs"][-1] == -0.25
+    assert choice["completion_token_ids"][-1] == tokenizer.eos_token_ids[0]
+    assert body["usage"]["completion_tokens"] == len(tokenizer.encode(SCRIPT)) + 1
+    shown = call(COMPLETIONS, {"prompt": "Hi", "max_tokens": 30, "skip_special_tokens": False,
+                               "include_stop_str_in_output": True}).json()
+    assert shown["choices"][0]["text"].endswith(" eleven<|im_end|>")
 
 
 def test_chat_logprobs_shape(call) -> None:

@@ -12,12 +12,14 @@ UTF-8 character, text held back because it may start a stop string) wait. When t
 a stop string, the tokens and logprobs stop at the last token that contributed text before the
 cut (with ``include_stop_str_in_output``: the last one contributing to the stop string); tokens
 after it are dropped, like the text. When generation ends otherwise, every remaining token is
-released (the eos token included, with no text when special tokens are skipped).
+released. A token that ended generation by being an eos or a stop token id is listed with its
+logprobs but adds no text (vLLM's rule; with ``include_stop_str_in_output`` its text stays).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
 from engine.entrypoints.logprobs_format import TokenEntry
@@ -83,8 +85,11 @@ class ChoiceState:
     """
 
     def __init__(self, index: int, tokenizer: Tokenizer, stop: list[str], *, skip_special_tokens: bool = True,
-                 include_stop_str: bool = False, drop_generated: bool = False) -> None:
+                 include_stop_str: bool = False, drop_generated: bool = False,
+                 stop_token_ids: Iterable[int] = ()) -> None:
         self.index = index
+        # eos and stop_token_ids: a token that ends generation as one of these shows no text.
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stops = StopChecker(stop) if stop else None
         self._include_stop_str = include_stop_str
@@ -110,9 +115,13 @@ class ChoiceState:
                 self.finish_reason = delta.finish_reason = "length"
             return delta
         pieces: list[str] = []
+        stopped_by_token = (finished and finish_reason == "stop" and bool(token_ids)
+                            and token_ids[-1] in self._stop_token_ids and not self._include_stop_str)
         for position, token_id in enumerate(token_ids):
             lp = logprobs[position] if logprobs is not None and position < len(logprobs) else None
             self._pending.append(TokenEntry(token_id, lp, self._generated_chars))
+            if stopped_by_token and position == len(token_ids) - 1:
+                continue  # the stop token: listed (with its logprobs), no text
             piece = self._detokenizer.add([token_id])
             self._generated_chars += len(piece)
             pieces.append(piece)

@@ -543,7 +543,10 @@ class OpenAIServing:
             choices = [ChoiceState(position * n + i, self.tokenizer, parsed.stop_strings,
                                    skip_special_tokens=bool(parsed.skip_special_tokens),
                                    include_stop_str=bool(parsed.include_stop_str_in_output),
-                                   drop_generated=prepared.echo_only) for i in range(n)]
+                                   drop_generated=prepared.echo_only,
+                                   stop_token_ids=(*engine_request.eos_token_ids,
+                                                   *engine_request.sampling_params.stop_token_ids))
+                       for i in range(n)]
             generations.append(_Generation(self.engine, engine_request, choices,
                                            show_prompt=parsed.echo_prompt or parsed.prompt_logprobs is not None,
                                            echo=parsed.echo_prompt, recorder=recorder))
