@@ -13,7 +13,9 @@ import contextlib
 import io
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -146,6 +148,7 @@ def apply_compute_thread_env(num_threads: int) -> None:
     The variables must be in place before paddle is first imported (ARCHITECTURE.md, CPU facts), so
     this is also the one place that imports it for a compute process; later ``import paddle``
     statements find it loaded. If paddle was already imported, the variables came too late: say so.
+    The process's SIGTERM handler survives the import (paddle would replace it).
     """
     os.environ.update(compute_thread_env(num_threads))
     if "paddle" in sys.modules:
@@ -153,6 +156,7 @@ def apply_compute_thread_env(num_threads: int) -> None:
                        "OMP_NUM_THREADS=%d may not apply", num_threads)
         return
     warnings.filterwarnings("ignore", message=_PADDLE_CCACHE_WARNING, category=UserWarning)
+    sigterm_handler = signal.getsignal(signal.SIGTERM)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -161,6 +165,11 @@ def apply_compute_thread_env(num_threads: int) -> None:
         # Whatever paddle printed besides the banner (or before failing to import) is passed on.
         sys.stderr.writelines(line for line in captured.getvalue().splitlines(keepends=True)
                               if not line.startswith(_PADDLE_IMPORT_BANNER))
+    # Importing paddle installs its C++ SIGTERM handler, which prints a "FatalError: Termination signal"
+    # block and aborts, over the process's own shutdown handler (still listed by getsignal, no longer
+    # called). Put the process's handler back; paddle keeps its crash handlers (SIGSEGV, SIGABRT, ...).
+    if sigterm_handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm_handler)
 
 
 def available_cores() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from config.model_config import default_model_path
-from harness.server import ServerProcess
+from harness.server import STOP_TIMEOUT_S, ServerProcess
 from scripts.make_tiny_moe import make_tiny_moe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +222,17 @@ def test_paddle_import_filter_passes_other_output_through(tmp_path: Path) -> Non
     assert result.stderr == "paddle says something else\n"
 
 
+def test_sigterm_handler_survives_the_paddle_import() -> None:
+    # Paddle's import installs a C++ SIGTERM handler that prints "FatalError: Termination signal" and
+    # aborts; a worker's own handler (graceful shutdown) must still be the one that runs.
+    result = run_python("import os, signal, time, envs\n"
+                        "signal.signal(signal.SIGTERM, lambda *_: print('own handler', flush=True))\n"
+                        "envs.apply_compute_thread_env(1)\n"
+                        "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.2)\nprint('alive')")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["own", "handler", "alive"] and "FatalError" not in result.stderr
+
+
 @pytest.mark.integration
 def test_first_run_server_output_is_clean_and_max_tokens_default_caps_chat(tmp_path: Path) -> None:
     """One server, started as a user would (plus a small KV pool): its whole output, start to stop, has no
@@ -238,12 +250,16 @@ def test_first_run_server_output_is_clean_and_max_tokens_default_caps_chat(tmp_p
         capped = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
             "temperature": 0, "ignore_eos": True, "max_tokens": 9}).json()
+        # Stopped as systemd or `timeout` stop a service: SIGTERM to every process of the group at once.
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        returncode = server.proc.wait(STOP_TIMEOUT_S)
     stopped = log.read_text()
     assert "worker ready" in started and "engine ready" in started  # the log holds every process's output
     for noise in PADDLE_NOISE:
         assert noise not in stopped, f"{noise!r} in the server's output:\n{stopped}"
     assert "Traceback" not in stopped and "FatalError" not in stopped, stopped
-    assert server.graceful and server.leftovers == []
+    assert "worker exited (rank 0, code 0)" in stopped, stopped  # its own shutdown ran, not paddle's abort
+    assert returncode == 0 and server.leftovers == [], stopped
 
     assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length", chat
     assert completion["usage"]["completion_tokens"] == 16, completion
