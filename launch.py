@@ -65,7 +65,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise LaunchError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+            raise LaunchError(f"--host/--port: cannot bind {host}:{port}: {exc.strerror}") from exc
 
 
 def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:

@@ -180,7 +180,13 @@ def test_busy_port_is_one_line_and_exit_2() -> None:
         sock.listen()
         port = sock.getsockname()[1]
         result = run_launch("--port", str(port))
-    assert_one_line_refusal(result, f"127.0.0.1:{port}", "cannot bind")
+    assert_one_line_refusal(result, "--port", f"cannot bind 127.0.0.1:{port}: Address already in use")
+
+
+def test_host_that_is_not_an_address_here_is_one_line_and_exit_2() -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface: bind() fails locally, nothing is sent anywhere.
+    assert_one_line_refusal(run_launch(*PORT, "--host", "192.0.2.1"), "--host",
+                            "cannot bind 192.0.2.1:18997: Cannot assign requested address")
 
 
 # --- Paddle's start-up noise stays out of the server's output ---------------------------------------------
