@@ -6,6 +6,11 @@ launch.py's argument parsing read it. ``build_engine_config`` turns it, with env
 storage tier), the scheduler, the parallel layout and the HTTP server, plus the instance id.
 All are plain dataclasses so they can be pickled to the engine, worker and cache transfer
 processes; a per-rank copy comes from ``EngineConfig.for_dp_rank``.
+
+Every check of what the user typed lives here and raises ``ConfigError`` naming the flag (launch.py
+prints it as one line and exits 2): ``validate_args`` for each flag alone and their combinations,
+``build_engine_config`` for what needs the model's files (their presence and headers, the context
+length, MoE for expert parallelism) and the machine (free /dev/shm for the KV pools).
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ MAX_PORT = 65535
 
 @dataclass
 class EngineArgs:
+    """The command line as typed (None: not given, resolved by ``build_engine_config``)."""
+
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
