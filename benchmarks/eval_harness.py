@@ -83,7 +83,8 @@ def lm_eval_command(base_url: str, model_name: str, tokenizer_dir: str, task_dir
         f"model={model_name}", f"base_url={base_url}/v1/completions", "tokenizer_backend=huggingface",
         f"tokenizer={tokenizer_dir}", f"max_length={max_length}", "num_concurrent=1", "max_retries=1",
     ])
-    return [shutil.which("lm_eval") or "lm_eval", "--model", "local-completions", "--model_args", model_args,
+    # `python -m lm_eval` is the `lm_eval` console script of this interpreter's install (both run cli_evaluate).
+    return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
             "--tasks", TASK_NAME, "--include_path", task_dir, "--output_path", output_dir, "--log_samples",
             "--seed", "1234"]
 
