@@ -149,20 +149,23 @@ class KVCacheManager:
 
     # ---- admission: prefix match and fills ----------------------------------------------
 
-    def match(self, seq: CacheSequence, use_prefix_cache: bool = True) -> PrefixMatch:
+    def match(self, seq: CacheSequence, max_hit_tokens: int | None = None) -> PrefixMatch:
         """The cached prefix ``seq`` would get: device hits, then host/storage fills. Changes nothing.
 
         At least one prompt token is always left to compute, so the first step has a
         position to sample from. Fills are limited to the blocks that are free after
         the hits were shared, so committing the match can never run out of blocks.
-        ``use_prefix_cache=False`` (prompt logprobs: every position must be computed) matches nothing.
+        ``max_hit_tokens`` caps the match (prompt logprobs: the positions still to be scored must be
+        computed, so only blocks before them may come from the cache; 0 matches nothing).
         """
         result = PrefixMatch(clears_skip_cache=seq.skip_cache_once)
-        if not self.config.enable_prefix_caching or not use_prefix_cache:
+        if not self.config.enable_prefix_caching:
             return result
         use_lower_tiers = not seq.skip_cache_once
         tokens = seq.token_ids_slice(0, seq.num_tokens)
         matchable = (len(tokens) - 1) // self.block_size
+        if max_hit_tokens is not None:
+            matchable = min(matchable, max_hit_tokens // self.block_size)
         parent = ROOT_HASH
         for index in range(matchable):
             block_hash = hash_block(parent, tokens[index * self.block_size:(index + 1) * self.block_size],
@@ -188,18 +191,18 @@ class KVCacheManager:
         beyond = max(0, self.blocks_needed(computed + first_chunk) - found.num_blocks)
         return found.num_evictable_hits + len(found.fills) + beyond
 
-    def try_admit(self, seq: CacheSequence, max_new_tokens: int, use_prefix_cache: bool = True) -> bool:
+    def try_admit(self, seq: CacheSequence, max_new_tokens: int, max_hit_tokens: int | None = None) -> bool:
         """Admit ``seq`` if its cached prefix and its first chunk (up to ``max_new_tokens``) fit now.
 
         The check runs on the need after the prefix match, so the allocation that
         follows for ``min(seq.num_uncomputed_tokens, max_new_tokens)`` tokens cannot
         fail. If even the match without lower-tier fills does not fit, nothing changes
-        and False is returned: the sequence keeps waiting. Without ``use_prefix_cache`` nothing
-        is shared from the cache (the sequence's full blocks are still registered for others).
+        and False is returned: the sequence keeps waiting. ``max_hit_tokens`` caps what is taken
+        from the cache (see ``match``); the sequence's full blocks are still registered for others.
         """
         if seq.block_table:
             raise ValueError(f"{seq.request_id} is admitted while it still holds blocks {seq.block_table}")
-        found = self.match(seq, use_prefix_cache)
+        found = self.match(seq, max_hit_tokens)
         free = self.num_free_blocks
         # Fills draw fresh blocks and push the first chunk further out: drop them from the end until it fits.
         while found.fills and self.admission_cost(seq, found, max_new_tokens) > free:

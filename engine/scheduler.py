@@ -21,7 +21,8 @@ copy rides in ``StepBatch.block_copies``, run by the worker before the forward).
 then computes the last prompt token itself and samples from it. ``max_num_seqs`` counts choices,
 forked or not.
 
-Prompt logprobs: a sequence that still lacks them is admitted without prefix-cache hits, sends
+Prompt logprobs: a sequence that still lacks them is admitted without prefix-cache hits (after a
+preemption: none beyond the positions it scored already, so it keeps its progress), sends
 ``prompt_logprobs``/``next_prompt_token_id`` with each prefill chunk and collects the results by
 position; the complete list goes out once, with the output that ends its prefill.
 
@@ -213,7 +214,8 @@ class Scheduler:
                 fits, preempted = self._make_room_for_fork(seq)
                 preempted_any |= preempted
                 if not fits:
-                    break  # seq itself was preempted; it was the last running one
+                    index += 1  # the missing blocks are in transfers: the fork waits, keeping its prompt
+                    continue
                 self._fork(seq)
             num_new = min(seq.num_schedulable_tokens, budget)
             fits, preempted = self._make_room(seq, seq.num_computed_tokens + num_new)
@@ -240,17 +242,28 @@ class Scheduler:
         return self._preempt_until(seq, lambda: self.kv_cache.can_allocate(seq, num_tokens))
 
     def _make_room_for_fork(self, parent: Sequence) -> tuple[bool, bool]:
-        """Preempt from the back of the running list until the parent's children can fork (as ``_make_room``)."""
-        return self._preempt_until(parent, lambda: self._fork_fits(parent))
+        """Preempt from the back of the running list until the parent's children can fork (as ``_make_room``).
+
+        The parent itself is never the victim: when only blocks held by transfers are missing, it
+        waits for them holding its prefilled prompt. Preempting it would throw the prompt away, and
+        the same transfers (offload swapping out cached blocks) could take the blocks again on every
+        retry. Its prompt plus the copies fit the pool (admission checked that).
+        """
+        return self._preempt_until(parent, lambda: self._fork_fits(parent), spare=True)
 
     def _fork_fits(self, parent: Sequence) -> bool:
         needed = len(parent.pending_children) * self.kv_cache.fork_cost(parent)
         return needed <= self.kv_cache.num_free_blocks
 
-    def _preempt_until(self, seq: Sequence, fits: Callable[[], bool]) -> tuple[bool, bool]:
-        """Preempt from the back of the running list until ``fits()``; returns (seq fits, anything preempted)."""
+    def _preempt_until(self, seq: Sequence, fits: Callable[[], bool], spare: bool = False) -> tuple[bool, bool]:
+        """Preempt from the back of the running list until ``fits()``; returns (seq fits, anything preempted).
+
+        With ``spare``, ``seq`` itself is not preempted: (False, ...) when only it is left to take from.
+        """
         preempted = False
         while not fits():
+            if spare and self.running[-1] is seq:
+                return False, preempted
             victim = self.running.pop()
             self._preempt(victim)
             preempted = True
@@ -298,9 +311,9 @@ class Scheduler:
                 continue
             # Decided on the need after the prefix match (hits that were evictable are no longer free,
             # fills take fresh blocks, the first chunk starts after the cached prefix), so the allocate
-            # below cannot fail; a sequence that does not fit keeps waiting. Prompt logprobs need every
-            # position computed: no prefix-cache hits then.
-            if not self.kv_cache.try_admit(seq, budget, use_prefix_cache=not seq.needs_all_prompt_positions):
+            # below cannot fail; a sequence that does not fit keeps waiting. Prompt logprobs need their
+            # positions computed: no prefix-cache hits beyond the positions already scored.
+            if not self.kv_cache.try_admit(seq, budget, max_hit_tokens=seq.max_prefix_hit_tokens):
                 break
             del self.waiting[position]
             seq.status = SequenceStatus.RUNNING

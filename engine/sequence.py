@@ -108,8 +108,20 @@ class Sequence:
 
     @property
     def needs_all_prompt_positions(self) -> bool:
-        """Prompt logprobs still missing: every prompt position must be computed, no prefix-cache hits."""
+        """Prompt logprobs still missing: the prompt positions that predict them must be computed."""
         return self.wants_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_prefix_hit_tokens(self) -> int | None:
+        """How much of the prompt the prefix cache may serve at admission (None: no limit).
+
+        Position q - 1 predicts prompt token q: while logprobs are missing from position L =
+        len(prompt_logprobs) on, computing must start at L - 1 at the latest. So a first admission
+        takes nothing from the cache, and a recompute after a preemption keeps what it scored.
+        """
+        if not self.needs_all_prompt_positions:
+            return None
+        return len(self.prompt_logprobs) - 1
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output without building the concatenation."""

@@ -457,3 +457,37 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None,
                                               derandomize=True, suppress_health_check=list(HealthCheck))
 test_scheduler_stateful = SchedulerMachine.TestCase
+
+
+# ---- regressions found by the machine above (kept as fixed scenarios) -----------------------------
+
+
+def test_prompt_logprobs_recompute_keeps_the_positions_it_scored():
+    # The whole pool (4 blocks) for one prompt-logprobs request; offload keeps quarantining one cached
+    # block, so the request is preempted near its end. Recomputing from scratch every time (no
+    # prefix-cache hit at all) never finished; hits up to the scored positions let it progress.
+    h = Harness(4, 3, 2, 1, num_cpu_blocks=1, watermark=0.25)
+    h.add([3, 4, 5, 3], 1)
+    h.add([3, 4, 5, 6, 7, 8, 3, 3, 3, 3, 3, 3], 1, prompt_logprobs=1)
+    h.drain(random.Random(0), max_steps=60)
+    assert set(h.finished) == {"r1", "r2"} and h.cache.num_free_blocks == h.cache.num_blocks
+
+
+def test_fork_waits_for_blocks_held_by_transfers_instead_of_preempting_its_parent():
+    # Offload swapped out the free cached blocks the fork's copy needed; a parent that preempted
+    # itself lost its prompt, was re-admitted and lost it again, forever.
+    m = SchedulerMachine()
+    m.setup(num_blocks=4, block_size=3, budget=7, max_num_seqs=3, tier="host", num_cpu_blocks=2, watermark=0.5,
+            seed=0)
+    m.arrive_with_choices(extra=[], max_tokens=1, n=2, prompt_logprobs=None, which=0)
+    m.worker_restart(really=0)
+    m.next_turn(extra=[3], max_tokens=1, pick=0)
+    m.arrive_with_choices(extra=[], max_tokens=1, n=2, prompt_logprobs=None, which=0)
+    m.worker_restart(really=0)
+    m.next_turn(extra=[3, 3, 3], max_tokens=1, pick=1)
+    m.arrive_with_choices(extra=[], max_tokens=1, n=2, prompt_logprobs=0, which=1)
+    m.arrive_with_choices(extra=[], max_tokens=1, n=2, prompt_logprobs=None, which=1)
+    m.worker_restart(really=0)
+    m.next_turn(extra=[3, 3, 3], max_tokens=1, pick=3)
+    m.teardown()  # drains: every choice must finish and every block come back
+    assert m.h.sched.num_preemptions < 5
