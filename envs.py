@@ -88,6 +88,13 @@ def __getattr__(name: str) -> Any:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {parser.__name__}") from exc
 
 
+def check_all() -> None:
+    """Parse every variable that is set, so a bad value fails at start-up (launch.py prints the
+    ValueError, which names the variable, as one line) rather than later in a child process."""
+    for name in _VARIABLES:
+        __getattr__(name)
+
+
 def describe() -> list[tuple[str, Any, str]]:
     """(name, default, doc) for every variable, for --help and the README."""
     return [(name, default, doc) for name, (_p, default, doc) in _VARIABLES.items()]

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 
+import envs
 from config.engine_config import ConfigError, EngineArgs, build_engine_config
 from config.log import setup_logging
 from engine.entrypoints.engine_supervisor import LaunchError, become_subreaper
@@ -73,13 +74,14 @@ def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("api", 0)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
+        setup_logging("api", 0)  # a ValueError if FD_LOG_LEVEL is not a level
         args = parse_args(argv)
+        envs.check_all()  # a ValueError naming the variable
         config = build_engine_config(args)
         check_port_free(args.host, args.port)
-    except (ConfigError, LaunchError) as exc:
+    except (ConfigError, LaunchError, ValueError) as exc:
         print(f"launch.py: error: {exc}", file=sys.stderr)
         return 2
     become_subreaper()

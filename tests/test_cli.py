@@ -30,8 +30,9 @@ TIMEOUT_S = 60
 PORT = ("--port", "18997")
 
 
-def run_launch(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_launch(*argv: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {name: value for name, value in os.environ.items() if name != "MOONCAKE_MASTER_SERVER_ADDR"}
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT_S, env=env)
 
@@ -181,6 +182,16 @@ def test_busy_port_is_one_line_and_exit_2() -> None:
         port = sock.getsockname()[1]
         result = run_launch("--port", str(port))
     assert_one_line_refusal(result, "--port", f"cannot bind 127.0.0.1:{port}: Address already in use")
+
+
+@pytest.mark.parametrize(("name", "value"), [("FD_NUM_THREADS", "two"), ("FD_USE_KVCACHE_LOCK", "1"),
+                                           ("FD_KVCACHE_TRANSFER_TIMEOUT", "soon"), ("FD_LOG_LEVEL", "loud")])
+def test_bad_environment_variable_is_one_line_and_exit_2(name: str, value: str) -> None:
+    result = run_launch(*PORT, "--max-model-len", "0", env_extra={name: value})
+    if name == "FD_USE_KVCACHE_LOCK":  # a valid value: the flag error comes next, so the variable passed
+        assert_one_line_refusal(result, "--max-model-len", "at least 1")
+        return
+    assert_one_line_refusal(result, name, f"{name}={value!r} is not a ")
 
 
 def test_host_that_is_not_an_address_here_is_one_line_and_exit_2() -> None:
