@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -50,8 +51,14 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _prog() -> str:
+    # "launch.py" for `python launch.py`, "fdserve" for the console script.
+    name = os.path.basename(sys.argv[0])
+    return name if name and not name.startswith("-") else "launch.py"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog="launch.py", description="Serve an LLM over an OpenAI-compatible API.",
+    parser = _OneLineErrorParser(prog=_prog(), description="Serve an LLM over an OpenAI-compatible API.",
                                  formatter_class=_DefaultsHelpFormatter)
     return EngineArgs.add_cli_args(parser)
 
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         config = build_engine_config(args)
         check_port_free(args.host, args.port)
     except (ConfigError, LaunchError, ValueError) as exc:
-        print(f"launch.py: error: {exc}", file=sys.stderr)
+        print(f"{_prog()}: error: {exc}", file=sys.stderr)
         return 2
     become_subreaper()
     server = Server(config)
