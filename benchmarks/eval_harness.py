@@ -207,6 +207,7 @@ def compare(samples: list[dict[str, Any]], scorer: DirectScorer, encode: Any) ->
                      "direct": direct_logliks, "lm_eval_greedy": sample["is_greedy"],
                      "direct_greedy": [score.is_greedy for score in direct]})
     return {"documents": len(samples), "choices": len(deltas), "max_abs_loglik_delta": max(deltas),
+            "choices_within_1e-4": sum(delta < 1e-4 for delta in deltas),
             "direct_acc": direct_correct / len(samples),
             "lm_eval_acc": sum(sample["acc"] for sample in samples) / len(samples), "rows": rows}
 
