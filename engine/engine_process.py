@@ -4,6 +4,10 @@ Loop: take new requests and aborts from the API server, schedule a step, send
 it to the worker, wait for its result (blocking on ZMQ with a timeout that
 checks the worker is alive), turn the sampled tokens into ``RequestOutput``s
 and send them back to the API server. Idle, it blocks on its input socket.
+
+A request with n > 1 choices becomes one parent sequence holding its unforked choices
+(``sequence.make_choices``); every output carries the client's request id and the choice
+index, and an abort, a failure or a rejection reaches every choice of the request.
 """
 from __future__ import annotations
 
