@@ -7,7 +7,8 @@ and send them back to the API server. Idle, it blocks on its input socket.
 
 A request with n > 1 choices becomes one parent sequence holding its unforked choices
 (``sequence.make_choices``); every output carries the client's request id and the choice
-index, and an abort, a failure or a rejection reaches every choice of the request.
+index, and an abort or a failure reaches every choice of the request (a rejection at admission is
+one error output: it ends the whole request).
 """
 from __future__ import annotations
 
