@@ -69,7 +69,6 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int, Sequence]] = []
         # Outputs decided outside ``update`` (a grammar that failed to compile): ``take_outputs`` hands them out.
         self._early_outputs: list[RequestOutput] = []
-        self.num_forks = 0
 
     # ---- admission -------------------------------------------------------
 
@@ -290,7 +289,6 @@ class Scheduler:
                 self.structured_output.fork(parent.request_id, child.request_id)
                 child.has_grammar = True
             self.running.insert(position + offset, child)
-        self.num_forks += 1
         logger.debug("%s forked into %d choices at %d prompt tokens", parent.client_id, len(children) + 1,
                      parent.num_computed_tokens)
 
