@@ -62,6 +62,10 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 # Prompts in one batched /v1/completions request (each is one engine request).
 MAX_BATCH_PROMPTS = 256
+# repetition_penalty divides positive logits and multiplies negative ones: far outside this range a
+# float32 logit overflows (found by the fuzz test: 4.7e-219 made them inf). Useful values are ~1..2.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 # The completion budget of /v1/completions when the request names none (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Roles a chat message may have (OpenAI's, "function" being the deprecated form of "tool").
@@ -266,9 +270,10 @@ class GenerationRequest(_StrictModel):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
                 raise APIError(f"{name} must be in [-2, 2], got {value}", param=name)
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise APIError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                           param="repetition_penalty")
+        if self.repetition_penalty is not None and not (MIN_REPETITION_PENALTY <= self.repetition_penalty
+                                                        <= MAX_REPETITION_PENALTY):
+            raise APIError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                           f"got {self.repetition_penalty}", param="repetition_penalty")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise APIError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if self.min_tokens is not None and self.min_tokens < 0:
