@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_KV_CACHE_SPACE_GIB = 1.0
+DEFAULT_MASTER_ADDR = "127.0.0.1"
 MAX_PORT = 65535
 
 
@@ -57,7 +58,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = None  # None: DEFAULT_MASTER_ADDR
     master_port: int | None = None
     max_tokens_default: int | None = None
 
@@ -109,11 +110,12 @@ class EngineArgs:
         parser.add_argument("--nnodes", type=int, default=1,
                             help="nodes sharing the DP ranks; each node runs its own launch.py and API server")
         parser.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, --nnodes)")
-        parser.add_argument("--master-addr", default="127.0.0.1",
-                            help="address of node 0, where the expert-parallel group meets")
+        parser.add_argument("--master-addr", default=None,
+                            help=f"address of node 0, where the expert-parallel group meets (default: "
+                                 f"{DEFAULT_MASTER_ADDR}; needs --enable-expert-parallel)")
         parser.add_argument("--master-port", type=int, default=None,
                             help="port of the expert-parallel rendezvous (default: a free port on one node, "
-                                 "29500 with --nnodes > 1)")
+                                 "29500 with --nnodes > 1; needs --enable-expert-parallel)")
         parser.add_argument("--file-backend-storage-dir", default=None,
                             help="directory of the file storage backend (needs --kvcache-storage-backend file; "
                                  "default: FILE_BACKEND_STORAGE_DIR)")
@@ -299,6 +301,12 @@ def _validate_storage(args: EngineArgs) -> None:
 
 
 def _validate_parallel(args: EngineArgs) -> None:
+    if not args.enable_expert_parallel:
+        given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} only apply with --enable-expert-parallel "
+                              "(the expert-parallel rendezvous)")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
     if args.data_parallel_size % args.nnodes:
@@ -432,7 +440,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             enable_expert_parallel=args.enable_expert_parallel,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
-            master_addr=args.master_addr,
+            master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
             master_port=_ep_port(args),
         ),
         server=ServerConfig(
@@ -453,5 +461,5 @@ def _ep_port(args: EngineArgs) -> int:
     if args.nnodes > 1:
         return 29500
     with socket.socket() as sock:  # one node: any free port, chosen once here and passed to every rank
-        sock.bind((args.master_addr, 0))
+        sock.bind((args.master_addr or DEFAULT_MASTER_ADDR, 0))
         return sock.getsockname()[1]

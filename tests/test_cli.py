@@ -126,6 +126,8 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
      "not a directory"),
     ("--max-tokens-default", ("--max-model-len", "256", "--max-tokens-default", "256"), "no room for a prompt"),
     ("--kvcache-storage-backend", ("--kvcache-storage-backend", "mooncake"), "MOONCAKE_MASTER_SERVER_ADDR"),
+    ("--master-port", ("--master-port", "29555"), "only apply with --enable-expert-parallel"),
+    ("--master-addr", ("--master-addr", "192.0.2.7"), "only apply with --enable-expert-parallel"),
     ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),
 ]
 
