@@ -396,6 +396,8 @@ class GenerationRequest(_StrictModel):
             return self.max_tokens_param
         if field == "logprobs":
             return self._logprobs_param
+        if field == "bad_words_token_ids":
+            return "bad_words"
         return field if field in SamplingParams.__dataclass_fields__ else None
 
     @property
