@@ -178,9 +178,7 @@ class Engine:
         """Take ``seq`` out of the scheduler, or free its blocks if a failure left it in neither queue."""
         try:
             if self.scheduler.abort(seq.request_id) is None and seq.status is not SequenceStatus.FINISHED:
-                self.cache.free(seq)
-                for choice in choices_of(seq):
-                    choice.status = SequenceStatus.FINISHED
+                self.scheduler.finish_stray(seq)
         except Exception:  # the request is failed either way; its blocks may leak, say so
             logger.exception("could not release the blocks of %s", seq.request_id)
 

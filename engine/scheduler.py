@@ -132,6 +132,10 @@ class Scheduler:
                 aborted.extend(choices_of(seq))
         return aborted
 
+    def finish_stray(self, seq: Sequence) -> None:
+        """End a sequence a failure left in neither queue: its blocks and grammar state are released."""
+        self._finish(seq)
+
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs decided while scheduling (requests failed before running); the engine sends them."""
         outputs, self._early_outputs = self._early_outputs, []
