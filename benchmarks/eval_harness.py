@@ -198,7 +198,8 @@ def compare(samples: list[dict[str, Any]], scorer: DirectScorer, encode: Any) ->
     """Score every logged pair directly; per-choice differences and both accuracies."""
     deltas, direct_correct, rows = [], 0, []
     for sample in samples:
-        direct = [scorer.score(*encode_pair(encode, context, continuation)) for context, continuation in sample["pairs"]]
+        direct = [scorer.score(*encode_pair(encode, context, continuation))
+                  for context, continuation in sample["pairs"]]
         direct_logliks = [score.loglik for score in direct]
         deltas += [abs(a - b) for a, b in zip(direct_logliks, sample["logliks"])]
         direct_choice = max(range(len(direct_logliks)), key=direct_logliks.__getitem__)

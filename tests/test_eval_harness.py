@@ -151,7 +151,8 @@ def test_lm_eval_runs_unmodified_against_the_server(lm_eval_run: dict) -> None:
 @pytest.mark.xfail(strict=True, reason="the engine drops a sampled eos token from the completion (scheduler "
                    "_append_token: no token, no logprob, completion_tokens 0), where vLLM keeps it; lm-eval reads "
                    "token_logprobs[ctxlen:-1] and so loses the continuation's last token whenever the model's "
-                   "next token after it is eos (4 of the 80 choices here). Remove this mark when the eos token is kept.")
+                   "next token after it is eos (4 of the 80 choices here). Remove this mark when the eos token "
+                   "is kept.")
 def test_lm_eval_scores_equal_a_direct_float32_forward(lm_eval_run: dict, scorer: DirectScorer,
                                                         tokenizer: Tokenizer) -> None:
     comparison = compare(lm_eval_run["samples"], scorer, tokenizer.encode)
