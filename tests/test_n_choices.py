@@ -1,4 +1,5 @@
-"""n > 1 choices and prompt logprobs end to end: the real Engine with its real worker process (the model).
+"""n > 1 choices, prompt logprobs, min_tokens and grammar masks end to end: the real Engine with its
+real worker process (the model).
 
 The engine runs in a thread (``tests/engine_harness.py``), its worker is the real worker process
 loading the default model; the test plays the API server over the engine's ipc sockets. The prompt
@@ -7,6 +8,7 @@ partial third one (copy-on-write): a wrong copy would change the children's toke
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -15,8 +17,11 @@ from typing import Iterator
 import pytest
 import zmq
 
+from config.model_config import default_model_path
 from config.sampling_params import SamplingParams
+from config.structured_output import CHOICE, StructuredOutputSpec
 from engine.request import CACHE_STATS, RESET_PREFIX_CACHE, ControlRequest, EngineRequest, RequestOutput
+from engine.tokenizer import load_tokenizer
 from harness.reference import expected_prefix
 from tests.engine_harness import ScriptedEngine
 
@@ -162,3 +167,23 @@ def test_prompt_logprobs_with_a_warm_prefix_cache_equal_a_cold_one(engine, refer
             assert abs(a.logprob - b.logprob) < 1e-4
     # Sent once: only the output that ends the prefill carries them.
     assert all(out.prompt_logprobs is None for out in cold[1:] + warm[1:])
+
+
+def test_min_tokens_holds_eos_back_in_the_real_sampler(engine, reference):
+    entry = reference[0]  # greedy: 7 tokens, then eos
+    free = tokens(engine.generate("min-0", entry["prompt_ids"], SamplingParams(temperature=0, max_tokens=16))[0])
+    assert len(free) < 10
+    held = engine.generate("min-10", entry["prompt_ids"], SamplingParams(temperature=0, max_tokens=16, min_tokens=10))
+    out = tokens(held[0])
+    assert len(out) >= 10 and 2 not in out[:10], out
+    assert out[:len(free)] == free  # eos banned, the tokens before it unchanged
+
+
+def test_structured_output_choices_through_the_real_worker(engine, reference):
+    tokenizer = load_tokenizer(default_model_path())
+    spec = StructuredOutputSpec(CHOICE, json.dumps(["Paris", "London", "Rome"]))
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, n=3, structured_output=spec)
+    choices = engine.generate("so-3", reference[0]["prompt_ids"], params)
+    for index, outputs in choices.items():
+        assert outputs[-1].finish_reason == "stop", outputs[-1]
+        assert tokenizer.decode(tokens(outputs)).strip() in {"Paris", "London", "Rome"}, index
