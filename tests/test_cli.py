@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,7 +216,9 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_plain_paddle_import_prints_the_notices_that_the_compute_env_removes() -> None:
     plain = run_python("import paddle", OMP_NUM_THREADS="2")
     assert plain.returncode == 0, plain.stderr
-    assert all(noise in plain.stderr for noise in PADDLE_NOISE), plain.stderr  # the source still speaks
+    # The source still speaks (paddle warns about ccache only where no ccache is installed).
+    expected = [noise for noise in PADDLE_NOISE if noise != "No ccache found" or shutil.which("ccache") is None]
+    assert all(noise in plain.stderr for noise in expected), plain.stderr
 
     quiet = run_python("import os, envs\nenvs.apply_compute_thread_env(2)\nimport paddle\n"
                        "print(os.environ['OMP_NUM_THREADS'], paddle.__version__)")
