@@ -153,6 +153,7 @@ class Score:
     loglik: float
     is_greedy: bool
     token_logprobs: list[float]
+    next_token_id: int  # the greedy token after the continuation (what max_tokens=1 generates)
 
 
 class DirectScorer:
@@ -191,7 +192,8 @@ class DirectScorer:
         targets = np.asarray(continuation_ids)
         token_logprobs = log_probs[np.arange(len(targets)), targets]
         is_greedy = bool((rows.argmax(axis=1) == targets).all())
-        return Score(float(token_logprobs.sum()), is_greedy, [float(v) for v in token_logprobs])
+        next_token_id = int(logits[len(ids) - 1].argmax())
+        return Score(float(token_logprobs.sum()), is_greedy, [float(v) for v in token_logprobs], next_token_id)
 
 
 def compare(samples: list[dict[str, Any]], scorer: DirectScorer, encode: Any) -> dict[str, Any]:
@@ -206,7 +208,8 @@ def compare(samples: list[dict[str, Any]], scorer: DirectScorer, encode: Any) ->
         direct_correct += int(direct_choice == sample["target"])
         rows.append({"doc_id": sample["doc_id"], "target": sample["target"], "lm_eval": sample["logliks"],
                      "direct": direct_logliks, "lm_eval_greedy": sample["is_greedy"],
-                     "direct_greedy": [score.is_greedy for score in direct]})
+                     "direct_greedy": [score.is_greedy for score in direct],
+                     "next_token": [score.next_token_id for score in direct]})
     return {"documents": len(samples), "choices": len(deltas), "max_abs_loglik_delta": max(deltas),
             "choices_within_1e-4": sum(delta < 1e-4 for delta in deltas),
             "direct_acc": direct_correct / len(samples),

@@ -18,6 +18,7 @@ import envs
 
 envs.apply_compute_thread_env(2)  # before paddle is imported (the direct scorer)
 
+import httpx  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
@@ -112,7 +113,7 @@ def lm_eval_run(start_server_module, tokenizer_dir: str, tmp_path_factory: pytes
     model_name = served_model_id(server.base_url)
     results, samples, seconds = run_lm_eval(server.base_url, model_name, tokenizer_dir,
                                             str(tmp_path_factory.mktemp("lm_eval")))
-    return {"results": results, "samples": samples, "seconds": seconds, "model": model_name}
+    return {"results": results, "samples": samples, "seconds": seconds, "model": model_name, "server": server}
 
 
 @pytest.fixture(scope="module")
@@ -146,22 +147,49 @@ def test_lm_eval_runs_unmodified_against_the_server(lm_eval_run: dict) -> None:
     assert lm_eval_run["results"]["config"]["model"] == "local-completions"
 
 
+def server_keeps_a_sampled_eos(server, ids: list[int], eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether a greedy one-token completion of ``ids`` (whose next token is eos) returns that token."""
+    body = {"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    choice = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    return len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
+
+
 @pytest.mark.integration
 @needs_lm_eval
-@pytest.mark.xfail(strict=True, reason="the engine drops a sampled eos token from the completion (scheduler "
-                   "_append_token: no token, no logprob, completion_tokens 0), where vLLM keeps it; lm-eval reads "
-                   "token_logprobs[ctxlen:-1] and so loses the continuation's last token whenever the model's "
-                   "next token after it is eos (4 of the 80 choices here). Remove this mark when the eos token "
-                   "is kept.")
 def test_lm_eval_scores_equal_a_direct_float32_forward(lm_eval_run: dict, scorer: DirectScorer,
                                                         tokenizer: Tokenizer) -> None:
+    """Every choice's log-likelihood, greedy flag and every document's pick equal the direct forward's.
+
+    One known gap is told apart rather than hidden: lm-eval reads ``token_logprobs[ctxlen:-1]``,
+    taking the last entry for the generated token; an engine that drops a sampled eos token (no
+    token, no logprob; vLLM keeps it) makes lm-eval lose the continuation's last token exactly where
+    the model's next token is eos. While the server drops it, only such choices may differ and the test
+    ends as xfail saying how many; once the server keeps it, every choice must match.
+    """
     comparison = compare(lm_eval_run["samples"], scorer, tokenizer.encode)
     assert comparison["choices"] == 80
-    bad = [(row["doc_id"], choice, harness, direct) for row in comparison["rows"]
-           for choice, (harness, direct) in enumerate(zip(row["lm_eval"], row["direct"]))
-           if abs(harness - direct) >= LOGLIK_TOLERANCE]
-    assert bad == [], f"(doc, choice, lm-eval loglik, direct loglik) differing by >= {LOGLIK_TOLERANCE}: {bad}"
+    pairs = {(sample["doc_id"], index): pair for sample in lm_eval_run["samples"]
+             for index, pair in enumerate(sample["pairs"])}
+    eos_next = [(row["doc_id"], index) for row in comparison["rows"]
+                for index, token in enumerate(row["next_token"]) if token in tokenizer.eos_token_ids]
+    drops_eos = bool(eos_next) and not server_keeps_a_sampled_eos(
+        lm_eval_run["server"], sum(encode_pair(tokenizer.encode, *pairs[eos_next[0]]), []), tokenizer.eos_token_ids)
+
+    differing = [(row["doc_id"], index, harness, direct) for row in comparison["rows"]
+                 for index, (harness, direct) in enumerate(zip(row["lm_eval"], row["direct"]))
+                 if abs(harness - direct) >= LOGLIK_TOLERANCE]
+    unexplained = [entry for entry in differing if not (drops_eos and entry[:2] in eos_next)]
+    assert unexplained == [], (f"(doc, choice, lm-eval loglik, direct loglik) differing by >= {LOGLIK_TOLERANCE}"
+                               f" (server drops a sampled eos: {drops_eos}): {unexplained}")
+    affected_docs = {doc for doc, *_ in differing}
     for row in comparison["rows"]:
+        if row["doc_id"] in affected_docs:
+            continue
         assert row["lm_eval_greedy"] == row["direct_greedy"], row
         assert max(range(4), key=row["lm_eval"].__getitem__) == max(range(4), key=row["direct"].__getitem__), row
-    assert comparison["lm_eval_acc"] == comparison["direct_acc"]
+    if drops_eos:
+        # Everything else was checked above; the exact-equality claim waits for the engine (see README).
+        pytest.xfail(f"the engine drops a sampled eos token (vLLM keeps it): {len(differing)} of 80 choices "
+                     f"(docs {sorted(affected_docs)}) lose their last logprob in lm-eval; the other choices match")
+    assert differing == [] and comparison["lm_eval_acc"] == comparison["direct_acc"]
