@@ -633,3 +633,16 @@ def test_tokenizer_info(engine: ScriptedEngine, tokenizer: Tokenizer) -> None:
     info = get(engine, "/tokenizer_info").json()
     assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
     assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(call) -> None:
+    items = events(call(COMPLETIONS, {"prompt": "Hi", "n": 2, "max_tokens": 3, "stream": True,
+                                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    chunks = [item for item in items[:-1] if item["choices"]]
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 6
+    assert all(chunk["usage"]["prompt_tokens"] == 1 for chunk in chunks)
+    assert items[-2]["choices"] == [] and items[-2]["usage"]["completion_tokens"] == 6
+    # Without include_usage it would change nothing: a 400 rather than silently nothing.
+    assert_400(call(COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "stream": True,
+                                  "stream_options": {"continuous_usage_stats": True}}), "stream_options")

@@ -258,8 +258,10 @@ class GenerationRequest(_StrictModel):
                 raise APIError(refusal.reason, param=refusal.field)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError("stream_options.continuous_usage_stats is not supported", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            raise APIError("stream_options.continuous_usage_stats needs stream_options.include_usage",
+                           param="stream_options")
         n = self.num_choices
         if not 1 <= n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {n}", param="n")
@@ -316,6 +318,11 @@ class GenerationRequest(_StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``): usage so far on every chunk."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def logprobs_count(self) -> int | None:

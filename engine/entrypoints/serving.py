@@ -633,6 +633,8 @@ class OpenAIServing:
                         else:
                             chunk = completion_chunk(request_id, created, model, choice,
                                                      with_usage_field=include_usage)
+                        if parsed.continuous_usage:
+                            chunk["usage"] = _usage(prepared, generations)
                         yield sse_event(chunk)
             error = _first_error(generations)
         except EngineDeadError as exc:  # the rank went away between the check and the send
