@@ -59,6 +59,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_WORKER_STEP_TIMEOUT": (float, 600.0, "Seconds the engine waits for one execute_model step before failing requests."),
     "FD_API_KEY": (_opt_str, None, "If set, the API requires 'Authorization: Bearer <key>'."),
     "FD_MAX_REQUEST_BYTES": (int, 8 * 1024 * 1024, "Largest accepted HTTP request body in bytes."),
+    "FD_STORAGE_LOOKUP_TIMEOUT_S": (float, 0.05, "Seconds the engine waits for the storage tier to say which of a "
+                                    "request's blocks it holds; a slower answer counts as a miss, not a stall."),
     "FILE_BACKEND_STORAGE_DIR": (_opt_str, None, "Directory of the file KV-cache storage backend."),
     "MOONCAKE_MASTER_SERVER_ADDR": (_opt_str, None, "host:port of the Mooncake master."),
     "MOONCAKE_METADATA_SERVER": (str, "P2PHANDSHAKE", "Mooncake metadata server."),

@@ -28,6 +28,7 @@ from cache_manager.block_pool import BlockAllocationError, BlockPool, DeviceBloc
 from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
 from cache_manager.prefix_index import PrefixIndex
+from cache_manager.storage_lookup import StorageLookup
 from cache_manager.transfer_planner import CacheStats, TransferPlanner
 from config.engine_config import CacheConfig
 from inter_communicator.messages import TransferDone, TransferTask
@@ -53,7 +54,7 @@ class PrefixMatch:
 class KVCacheManager:
     def __init__(self, config: CacheConfig, state_array: np.ndarray | None = None,
                  submit: Callable[[TransferTask], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, storage_lookup: StorageLookup | None = None) -> None:
         if config.num_gpu_blocks < 1 or config.block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"{config.num_gpu_blocks} x {config.block_size}")
@@ -65,7 +66,9 @@ class KVCacheManager:
         self.index = PrefixIndex()
         self.pool = BlockPool(config.num_gpu_blocks, self.index, state_array)
         self.host = HostPool(config.num_cpu_blocks, self.index)
-        self.transfers = TransferPlanner(config, self.pool, self.host, self.index, submit, clock)
+        # storage_lookup: the engine's handle asking the store which blocks exist (None: only own writes count).
+        self.transfers = TransferPlanner(config, self.pool, self.host, self.index, submit, clock,
+                                         storage_lookup=storage_lookup)
         self.stats: CacheStats = self.transfers.stats
         # n > 1: blocks a forked choice shared instead of computing them, and partial blocks it copied.
         self.num_fork_shared_blocks = 0
@@ -166,11 +169,19 @@ class KVCacheManager:
         matchable = (len(tokens) - 1) // self.block_size
         if max_hit_tokens is not None:
             matchable = min(matchable, max_hit_tokens // self.block_size)
+        hashes = []
         parent = ROOT_HASH
         for index in range(matchable):
-            block_hash = hash_block(parent, tokens[index * self.block_size:(index + 1) * self.block_size],
-                                    self.config.model_fingerprint)
-            parent = block_hash
+            parent = hash_block(parent, tokens[index * self.block_size:(index + 1) * self.block_size],
+                                self.config.model_fingerprint)
+            hashes.append(parent)
+        if use_lower_tiers:
+            # One batched lookup for the blocks after the device hits: what other instances stored counts too.
+            device_hits = 0
+            while device_hits < len(hashes) and self.index.has_device(hashes[device_hits]):
+                device_hits += 1
+            self.transfers.lookup_storage(hashes[device_hits:])
+        for block_hash in hashes:
             block_id = None if result.fills else self.index.device_block(block_hash)
             if block_id is not None:
                 result.hit_block_ids.append(block_id)
@@ -308,7 +319,7 @@ class KVCacheManager:
         self.index.clear_device()
         self.pool.forget_all()
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, int | float]:
         return {
             "kv_blocks_free": self.pool.num_never_cached_free,
             "kv_blocks_cached": self.pool.num_evictable,

@@ -10,7 +10,11 @@ Owns the lower tiers' policy and the copies in flight:
   blocks are swapped out to the host pool, or written back to storage without one;
 - storage policy: ``write_through`` stores a block when it becomes full,
   ``write_back`` when its last copy leaves the host/device tiers; ``_stored``
-  remembers which hashes this engine wrote successfully;
+  caches the hashes known to be stored: those this engine wrote, and the positive answers
+  of the storage lookup (``lookup_storage``: at admission, one batched, time-bounded exists
+  call for a request's remaining blocks, so blocks other instances, DP ranks or an earlier
+  process stored are found too; negative answers are remembered only for
+  ``NEGATIVE_LOOKUP_TTL_S``);
 - tasks: ids, deadlines (``overdue_transfers``), completions (``on_transfer_done``)
   and the blocks they quarantine until then (``fail_all_transfers`` after the
   transfer process was restarted).
@@ -28,10 +32,15 @@ from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
 from cache_manager.kv_layout import storage_key
 from cache_manager.prefix_index import PrefixIndex
+from cache_manager.storage_lookup import StorageLookup
 from config.engine_config import CacheConfig
 from inter_communicator.messages import TransferDone, TransferTask
 
 logger = logging.getLogger(__name__)
+
+# A storage miss is remembered this long, so a request that waits for blocks does not ask the store again
+# every step, while a block another instance stores meanwhile is found soon after.
+NEGATIVE_LOOKUP_TTL_S = 1.0
 
 
 @dataclass
@@ -60,12 +69,17 @@ class CacheStats:
     write_back_failed: int = 0
     transfer_timeouts: int = 0
     transfers_overdue: int = 0  # in-flight transfers of any kind seen past their deadline (each counted once)
+    storage_lookups: int = 0  # batched exists calls to the storage tier (one per admission that needed one)
+    storage_lookup_hits: int = 0  # blocks those calls found stored
+    storage_lookup_misses: int = 0  # blocks they did not find (timeouts included)
+    storage_lookup_timeouts: int = 0  # calls that did not answer within FD_STORAGE_LOOKUP_TIMEOUT_S
+    storage_lookup_seconds: float = 0.0  # time the engine spent waiting for them
 
 
 class TransferPlanner:
     def __init__(self, config: CacheConfig, pool: BlockPool, host: HostPool, index: PrefixIndex,
                  submit: Callable[[TransferTask], None] | None, clock: Callable[[], float] = time.monotonic,
-                 stats: CacheStats | None = None) -> None:
+                 stats: CacheStats | None = None, storage_lookup: StorageLookup | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self._pool = pool
@@ -74,7 +88,9 @@ class TransferPlanner:
         self._submit = submit
         self._clock = clock  # monotonic seconds; tests pass their own to move deadlines
         self.stats = stats if stats is not None else CacheStats()
-        self._stored: set[str] = set()  # hashes this engine wrote to storage successfully
+        self._stored: set[str] = set()  # hashes known to be in storage (written here, or found by a lookup)
+        self._lookup = storage_lookup
+        self._known_missing: dict[str, float] = {}  # hash -> monotonic time its negative lookup expires
         self._next_task_id = 0
         self._tasks: dict[int, TransferTask] = {}
         self._task_hashes: dict[int, list[str]] = {}
@@ -101,6 +117,36 @@ class TransferPlanner:
         if self.config.storage_enabled and block_hash in self._stored:
             return "storage"
         return None
+
+    def lookup_storage(self, block_hashes: list[str]) -> None:
+        """Ask the store, in one batched call, which of ``block_hashes`` it holds; remember the hits.
+
+        Skipped for hashes already known stored, held by the host tier, or missed within the last
+        ``NEGATIVE_LOOKUP_TTL_S``. Without a lookup handle only this engine's own writes are known.
+        """
+        if self._lookup is None or not self.config.storage_enabled:
+            return
+        now = self._clock()
+        if len(self._known_missing) > 4096:  # bounded: expired entries go when the map grows
+            self._known_missing = {h: t for h, t in self._known_missing.items() if t > now}
+        unknown = [h for h in block_hashes if h not in self._stored and not self._index.has_host(h)
+                   and self._known_missing.get(h, 0.0) <= now]
+        if not unknown:
+            return
+        result = self._lookup.lookup([self._key(h) for h in unknown])
+        self.stats.storage_lookups += 1
+        self.stats.storage_lookup_seconds += result.seconds
+        if result.timed_out:
+            self.stats.storage_lookup_timeouts += 1
+        expires = now + NEGATIVE_LOOKUP_TTL_S
+        for block_hash, found in zip(unknown, result.exists):
+            if found:
+                self._stored.add(block_hash)
+                self._known_missing.pop(block_hash, None)
+                self.stats.storage_lookup_hits += 1
+            else:
+                self._known_missing[block_hash] = expires
+                self.stats.storage_lookup_misses += 1
 
     def start_fills(self, seq: CacheSequence, fills: list[tuple[str, str]]) -> None:
         """Append fresh blocks for ``fills`` to ``seq`` and issue their copies; ``seq`` waits for them."""
@@ -323,12 +369,14 @@ class TransferPlanner:
                 self.stats.storage_miss_blocks += 1
                 # Gone from storage (evicted, corrupt, the store restarted): write it again next time.
                 self._stored.discard(hashes[i])
+                self._known_missing[hashes[i]] = self._clock() + NEGATIVE_LOOKUP_TTL_S
             self._pool.end_copy(block_id)
 
     def _write_back_done(self, task: TransferTask, hashes: list[str], ok: list[bool]) -> None:
         for block_hash, success in zip(hashes, ok):
             if success:
                 self._stored.add(block_hash)
+                self._known_missing.pop(block_hash, None)
             else:
                 self.stats.write_back_failed += 1
         for host_id in task.host_block_ids:

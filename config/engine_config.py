@@ -54,6 +54,7 @@ class EngineArgs:
     kvcache_storage_backend: str | None = None
     write_policy: str = "write_through"
     file_backend_storage_dir: str | None = None
+    file_backend_max_bytes: int | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     nnodes: int = 1
@@ -119,6 +120,10 @@ class EngineArgs:
         parser.add_argument("--file-backend-storage-dir", default=None,
                             help="directory of the file storage backend (needs --kvcache-storage-backend file; "
                                  "default: FILE_BACKEND_STORAGE_DIR)")
+        parser.add_argument("--file-backend-max-bytes", type=int, default=None,
+                            help="cap in bytes on the file storage backend's objects; least recently used "
+                                 "block files are evicted to stay under it (needs --kvcache-storage-backend "
+                                 "file; default: unbounded, also 0)")
         parser.add_argument("--max-tokens-default", type=int, default=None,
                             help="max_tokens of a chat completion that sets none (default: up to the remaining "
                                  "context); /v1/completions keeps OpenAI's 16")
@@ -138,6 +143,9 @@ class StorageConfig:
     # file backend
     file_dir: str | None = field(default_factory=lambda: envs.FILE_BACKEND_STORAGE_DIR)
     file_fsync: bool = False
+    file_max_bytes: int = 0  # LRU cap on the directory's objects (0: unbounded)
+    # The engine's own existence lookups at admission (cache_manager/storage_lookup.py)
+    lookup_timeout_s: float = field(default_factory=lambda: envs.FD_STORAGE_LOOKUP_TIMEOUT_S)
     # mooncake backend
     mooncake_master_addr: str | None = field(default_factory=lambda: envs.MOONCAKE_MASTER_SERVER_ADDR)
     mooncake_metadata_server: str = field(default_factory=lambda: envs.MOONCAKE_METADATA_SERVER)
@@ -295,6 +303,12 @@ def _validate_storage(args: EngineArgs) -> None:
             raise ConfigError("--file-backend-storage-dir needs --kvcache-storage-backend file")
         if os.path.exists(args.file_backend_storage_dir) and not os.path.isdir(args.file_backend_storage_dir):
             raise ConfigError(f"--file-backend-storage-dir {args.file_backend_storage_dir!r} is not a directory")
+    if args.file_backend_max_bytes is not None:
+        if args.file_backend_max_bytes < 0:
+            raise ConfigError(f"--file-backend-max-bytes must be a number of bytes >= 0 (0: unbounded), "
+                              f"got {args.file_backend_max_bytes}")
+        if args.kvcache_storage_backend != "file":
+            raise ConfigError("--file-backend-max-bytes needs --kvcache-storage-backend file")
     if args.write_policy == "write_back" and args.kvcache_storage_backend is None:
         raise ConfigError("--write-policy write_back needs --kvcache-storage-backend (it says when blocks "
                           "are stored there)")
@@ -412,6 +426,10 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         storage = StorageConfig(backend=args.kvcache_storage_backend)
         if args.file_backend_storage_dir:  # else the envs.py default stays
             storage.file_dir = args.file_backend_storage_dir
+        storage.file_max_bytes = args.file_backend_max_bytes or 0
+        if not (math.isfinite(storage.lookup_timeout_s) and storage.lookup_timeout_s > 0):
+            raise ConfigError(f"FD_STORAGE_LOOKUP_TIMEOUT_S must be a positive number of seconds, "
+                              f"got {storage.lookup_timeout_s}")
         if storage.backend == "mooncake" and not storage.mooncake_master_addr:
             # Else the cache transfer process fails at start-up, after the model is loaded.
             raise ConfigError("--kvcache-storage-backend mooncake needs MOONCAKE_MASTER_SERVER_ADDR "

@@ -23,6 +23,7 @@ import zmq
 
 import envs
 from cache_manager.kv_cache_manager import KVCacheManager
+from cache_manager.storage_lookup import StorageLookup, create_storage_lookup
 from cache_manager.transfer_client import CacheTransferClient
 from config.engine_config import EngineConfig
 from config.log import setup_logging
@@ -117,8 +118,13 @@ class Engine:
         self.transfer: CacheTransferClient | None = None
         if needs_cache_transfer(config):
             self.transfer = CacheTransferClient(self.context, addresses.transfer_tasks, addresses.transfer_done)
+        # The engine's own handle on the storage tier, asked at admission which blocks exist there.
+        self.storage_lookup: StorageLookup | None = None
+        if config.cache.storage is not None and config.cache.enable_prefix_caching:
+            self.storage_lookup = create_storage_lookup(config.cache.storage)
         self.cache = KVCacheManager(config.cache, self.signals.block_states.value,
-                                    submit=self.transfer.submit if self.transfer else None)
+                                    submit=self.transfer.submit if self.transfer else None,
+                                    storage_lookup=self.storage_lookup)
         if self.transfer is not None:
             self.transfer.on_done = self.cache.on_transfer_done
             self.transfer.on_started = self.cache.on_transfer_started
@@ -436,6 +442,8 @@ class Engine:
             sock.close(linger=0)
         if self.transfer is not None:
             self.transfer.close()
+        if self.storage_lookup is not None:
+            self.storage_lookup.close()
         if self.scheduler.structured_output is not None:
             self.scheduler.structured_output.close()
         self.context.term()

@@ -100,6 +100,7 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--master-port": (("--master-port", "70000"), "1..65535"),
     "--file-backend-storage-dir": (("--file-backend-storage-dir", "/tmp"), "--kvcache-storage-backend file"),
     "--max-tokens-default": (("--max-tokens-default", "0"), "at least 1"),
+    "--file-backend-max-bytes": (("--kvcache-storage-backend", "file", "--file-backend-max-bytes", "-1"), ">= 0"),
 }
 
 # Further refusals: values of the right type that are still wrong, and combinations.
@@ -127,6 +128,7 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
      "not a directory"),
     ("--max-tokens-default", ("--max-model-len", "256", "--max-tokens-default", "256"), "no room for a prompt"),
     ("--kvcache-storage-backend", ("--kvcache-storage-backend", "mooncake"), "MOONCAKE_MASTER_SERVER_ADDR"),
+    ("--file-backend-max-bytes", ("--file-backend-max-bytes", "1000000"), "--kvcache-storage-backend file"),
     ("--master-port", ("--master-port", "29555"), "only apply with --enable-expert-parallel"),
     ("--master-addr", ("--master-addr", "192.0.2.7"), "only apply with --enable-expert-parallel"),
     ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),

@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -472,3 +473,93 @@ def test_mooncake_backend_started_before_its_master_connects_later() -> None:
         backend.close()
         master.stop()
         master.remove_log()
+
+
+# ---- file backend: LRU size cap (--file-backend-max-bytes) ------------------------------------
+
+SMALL_FLOATS = 256  # 1 KiB payloads: object files of 1024 + HEADER_SIZE bytes
+SMALL_OBJECT = SMALL_FLOATS * 4 + HEADER_SIZE
+
+
+def test_file_cap_keeps_the_directory_under_it_and_evicts_least_recently_used(tmp_path: Path) -> None:
+    cap = 10 * SMALL_OBJECT
+    backend = FileStorageBackend(tmp_path, namespace="ns", max_bytes=cap)
+    keys = unique_keys(40)
+    values = [np.full(SMALL_FLOATS, i, np.float32) for i in range(40)]
+    assert backend.batch_put(keys[:8], values[:8]) == [True] * 8
+    hot = keys[0]
+    for i in range(8, 40):
+        # Reading an object makes it recent: the oldest write survives every eviction.
+        buffer = sentinel_buffers(1, SMALL_FLOATS)[0]
+        assert backend.batch_get([hot], [buffer]) == [True] and np.all(buffer == 0)
+        assert backend.batch_put([keys[i]], [values[i]]) == [True]
+        assert backend.disk_usage() <= cap
+    assert backend.evicted > 0
+    present = backend.exists(keys)
+    assert present[0] and present[-1] and not all(present)
+    # Evicted objects are plain misses: no exception, buffer untouched.
+    missing = [k for k, p in zip(keys, present) if not p]
+    buffers = sentinel_buffers(len(missing), SMALL_FLOATS)
+    assert backend.batch_get(missing, buffers) == [False] * len(missing)
+    assert all(untouched(b) for b in buffers)
+    backend.close()
+
+
+def test_file_cap_counts_what_other_processes_wrote(tmp_path: Path) -> None:
+    cap = 10 * SMALL_OBJECT
+    other = FileStorageBackend(tmp_path, namespace="ns")  # an uncapped writer sharing the directory
+    assert other.batch_put(unique_keys(20), [np.zeros(SMALL_FLOATS, np.float32)] * 20) == [True] * 20
+    capped = FileStorageBackend(tmp_path, namespace="ns", max_bytes=cap)
+    assert capped.batch_put(unique_keys(1), [np.ones(SMALL_FLOATS, np.float32)]) == [True]
+    assert capped.disk_usage() <= cap
+    other.close()
+    capped.close()
+
+
+def test_file_reader_racing_an_eviction_gets_the_whole_object_or_a_miss(tmp_path: Path) -> None:
+    cap = 4 * SMALL_OBJECT
+    writer = FileStorageBackend(tmp_path, namespace="ns", max_bytes=cap)
+    reader = FileStorageBackend(tmp_path, namespace="ns")
+    keys = unique_keys(200)
+    stop = threading.Event()
+    outcomes = {"hit": 0, "miss": 0}
+    failures: list[BaseException] = []
+
+    def read_loop() -> None:
+        try:
+            while not stop.is_set():
+                for index in range(len(keys)):
+                    buffer = sentinel_buffers(1, SMALL_FLOATS)[0]
+                    hit = reader.batch_get([keys[index]], [buffer])[0]
+                    if hit:
+                        assert np.all(buffer == index), "a hit must be the whole, right object"
+                    else:
+                        assert untouched(buffer)
+                    outcomes["hit" if hit else "miss"] += 1
+        except BaseException as exc:  # surfaced to the test thread below
+            failures.append(exc)
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    try:
+        for index, key in enumerate(keys):
+            assert writer.batch_put([key], [np.full(SMALL_FLOATS, index, np.float32)]) == [True]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not failures, failures
+    assert outcomes["hit"] > 0 and outcomes["miss"] > 0
+    assert reader.stats()["errors"] == 0 and reader.stats()["corrupt"] == 0
+    assert writer.disk_usage() <= cap
+    writer.close()
+    reader.close()
+
+
+def test_file_object_larger_than_the_cap_is_a_failed_put(tmp_path: Path) -> None:
+    backend = FileStorageBackend(tmp_path, namespace="ns", max_bytes=SMALL_OBJECT - 1)
+    key = unique_keys(1)
+    assert backend.batch_put(key, [np.zeros(SMALL_FLOATS, np.float32)]) == [False]
+    assert backend.stats()["put_errors"] == 1 and backend.exists(key) == [False]
+    with pytest.raises(ValueError, match="max_bytes"):
+        FileStorageBackend(tmp_path, namespace="ns", max_bytes=-1)
+    backend.close()

@@ -20,7 +20,8 @@ BACKEND_NAMES = ("file", "mooncake")
 def _create_file(config: StorageConfig) -> KVStorageBackend:
     from cache_manager.transfer_factory.file_backend import FileStorageBackend
 
-    return FileStorageBackend(config.file_dir, namespace=config.namespace, fsync=config.file_fsync)
+    return FileStorageBackend(config.file_dir, namespace=config.namespace, fsync=config.file_fsync,
+                              max_bytes=config.file_max_bytes)
 
 
 def _create_mooncake(config: StorageConfig) -> KVStorageBackend:

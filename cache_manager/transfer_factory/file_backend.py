@@ -13,7 +13,14 @@ This module owns the on-disk layout and its crash/corruption rules:
   caller's buffer; a corrupt object is counted, logged once per key, deleted, and missed.
   crc32 (zlib) costs ~0.45 ms for a 2.9 MB block here, small against the write;
 - I/O errors (read-only or full directory, permission denied) are logged and reported as
-  False/miss, never raised.
+  False/miss, never raised;
+- an optional size cap (``max_bytes``, ``--file-backend-max-bytes``): before a write that would
+  take the objects past it, the least recently used object files are deleted (recency is the
+  file's mtime, which a successful read touches). The size is counted from a directory scan,
+  repeated whenever this process's running estimate reaches the cap or it wrote a tenth of the
+  cap since the last scan, so several processes sharing the directory stay close to it. A
+  reader racing an eviction sees a missing file (a miss); a file deleted while open is still
+  read whole (POSIX keeps its data until closed).
 
 Thread safety: one thread per instance (see base.py). Several processes may share a
 directory: writes are atomic renames and temp names carry the writer's pid.
@@ -52,6 +59,7 @@ logger = logging.getLogger(__name__)
 _OBJECT_SUFFIX = ".kv"
 _TEMP_SUFFIX = ".tmp"
 _MAX_WARNED_KEYS = 10_000  # bounds the once-per-key warning memory
+_EVICT_SLACK = 10  # an eviction frees 1/_EVICT_SLACK of the cap beyond what the write needs (fewer scans)
 
 
 def default_storage_dir() -> Path:
@@ -65,12 +73,18 @@ class FileStorageBackend(KVStorageBackend):
     name = "file"
 
     def __init__(self, root_dir: str | os.PathLike | None = None, namespace: str = "default",
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, max_bytes: int = 0) -> None:
         validate_namespace(namespace)
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0: unbounded), got {max_bytes}")
         self.root_dir = Path(root_dir) if root_dir else default_storage_dir()
         self.namespace = namespace
         self.directory = self.root_dir / namespace
         self.fsync = fsync
+        self.max_bytes = max_bytes
+        self._used_bytes: int | None = None  # estimate of the objects' bytes; None: scan before the next put
+        self._written_since_scan = 0
+        self.evicted = 0  # objects this instance deleted to stay under max_bytes
         self._stats = BackendStats()
         self._staging = StagingBuffer()
         self._temp_counter = itertools.count()
@@ -122,6 +136,8 @@ class FileStorageBackend(KVStorageBackend):
 
     def _put_one(self, key: str, payload: memoryview) -> None:
         header = encode_header(key, payload)
+        if self.max_bytes:
+            self._make_room(len(header) + payload.nbytes)
         subdir = self._subdir(key)
         subdir.mkdir(parents=True, exist_ok=True)
         temp_path = self._temp_path(key)
@@ -140,6 +156,65 @@ class FileStorageBackend(KVStorageBackend):
             raise
         if self.fsync:
             _fsync_directory(subdir)
+        if self.max_bytes and self._used_bytes is not None:
+            self._used_bytes += len(header) + payload.nbytes
+            self._written_since_scan += len(header) + payload.nbytes
+
+    # ---- size cap ----------------------------------------------------------------------
+
+    def disk_usage(self) -> int:
+        """Bytes of the object files now in the namespace directory (a scan; temp files excluded)."""
+        return sum(size for _, size, _ in self._scan_objects())
+
+    def _scan_objects(self) -> list[tuple[int, int, str]]:
+        """(mtime_ns, size, path) of every object file; files vanishing during the scan are skipped."""
+        objects = []
+        try:
+            subdirs = [entry.path for entry in os.scandir(self.directory) if entry.is_dir()]
+        except FileNotFoundError:
+            return objects
+        for subdir in subdirs:
+            try:
+                entries = list(os.scandir(subdir))
+            except FileNotFoundError:
+                continue  # removed by a concurrent clear
+            for entry in entries:
+                if not entry.name.endswith(_OBJECT_SUFFIX):
+                    continue
+                try:
+                    info = entry.stat()
+                except FileNotFoundError:
+                    continue  # evicted by another process between listing and stat
+                objects.append((info.st_mtime_ns, info.st_size, entry.path))
+        return objects
+
+    def _make_room(self, nbytes: int) -> None:
+        """Delete least recently used objects so ``nbytes`` more fit under ``max_bytes``; OSError if never."""
+        if nbytes > self.max_bytes:
+            raise OSError(errno.EFBIG, f"a {nbytes}-byte object exceeds the {self.max_bytes}-byte cap "
+                                       "(--file-backend-max-bytes)")
+        if (self._used_bytes is not None and self._used_bytes + nbytes <= self.max_bytes
+                and self._written_since_scan < self.max_bytes // _EVICT_SLACK):
+            return
+        objects = self._scan_objects()
+        used = sum(size for _, size, _ in objects)
+        self._written_since_scan = 0
+        if used + nbytes > self.max_bytes:
+            target = max(0, self.max_bytes - nbytes - self.max_bytes // _EVICT_SLACK)
+            objects.sort()  # oldest mtime first
+            evicted = 0
+            for _, size, path in objects:
+                if used <= target:
+                    break
+                try:
+                    os.unlink(path)
+                    evicted += 1
+                except FileNotFoundError:
+                    pass  # another process evicted it first: the space is free all the same
+                used -= size
+            self.evicted += evicted
+            logger.debug("file storage: evicted %d objects to stay under %d bytes", evicted, self.max_bytes)
+        self._used_bytes = used
 
     # ---- get ---------------------------------------------------------------------------
 
@@ -186,6 +261,11 @@ class FileStorageBackend(KVStorageBackend):
             logger.error("file storage: reading %s failed: %s", path, exc)
             return False
         destination[:] = staged
+        try:
+            os.utime(path)  # recency for the LRU cap: a read keeps the object
+        except OSError as exc:
+            # Evicted or replaced since it was read: the data read is verified all the same.
+            logger.debug("file storage: cannot touch %s after reading it: %s", path, exc)
         return True
 
     def _handle_corrupt(self, key: str, path: Path, reason: CorruptObject) -> None:
@@ -227,6 +307,7 @@ class FileStorageBackend(KVStorageBackend):
 
     def clear(self) -> None:
         self._check_open()
+        self._used_bytes = None
         if not self.directory.exists():
             return
         try:

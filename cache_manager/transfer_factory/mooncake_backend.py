@@ -103,7 +103,8 @@ class MooncakeStorageBackend(KVStorageBackend):
     def __init__(self, master_addr: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp",
                  global_segment_size: int = 512 << 20, local_buffer_size: int = 64 << 20,
                  local_hostname: str = "127.0.0.1", rdma_devices: str = "", namespace: str = "default",
-                 reconnect_interval_s: float = 5.0, rebuild_after_s: float = 30.0) -> None:
+                 reconnect_interval_s: float = 5.0, rebuild_after_s: float = 30.0,
+                 lookup_only: bool = False) -> None:
         if not master_addr:
             raise ValueError("the mooncake backend needs a master address (MOONCAKE_MASTER_SERVER_ADDR)")
         parse_master_addr(master_addr)
@@ -115,6 +116,12 @@ class MooncakeStorageBackend(KVStorageBackend):
                             protocol, rdma_devices, master_addr)
         self.reconnect_interval_s = reconnect_interval_s
         self.rebuild_after_s = rebuild_after_s
+        # A lookup-only client (the engine's, storage_lookup.py) contributes no memory and only asks which
+        # keys exist: its warm-up is an exists round trip, and puts/gets are refused.
+        self.lookup_only = lookup_only
+        if lookup_only:
+            self._setup_args = (local_hostname, metadata_server, 0, min(int(local_buffer_size), 16 << 20),
+                                protocol, rdma_devices, master_addr)
         self._stats = BackendStats()
         self._staging = StagingBuffer()
         # Registered memory that may still be a transfer target is kept alive until close().
@@ -164,6 +171,12 @@ class MooncakeStorageBackend(KVStorageBackend):
 
     def _warm_up(self, store) -> bool:
         """Write, read back and remove 4 KB: proves the whole data path before real traffic."""
+        if self.lookup_only:
+            codes = store.batch_is_exist([f"{self.namespace}/.warmup-{uuid.uuid4().hex}"])
+            if len(codes) != 1 or codes[0] not in (0, 1):
+                self._log_unreachable(f"warm-up exists returned {codes}")
+                return False
+            return True
         key = f"{self.namespace}/.warmup-{uuid.uuid4().hex}"  # '.' keeps it out of user key space
         payload = np.random.default_rng().integers(0, 256, _WARMUP_BYTES, dtype=np.uint8)
         rc = store.upsert(key, memoryview(payload))
@@ -258,6 +271,7 @@ class MooncakeStorageBackend(KVStorageBackend):
 
     def batch_put(self, keys: list[str], values: list[np.ndarray]) -> list[bool]:
         self._check_open()
+        self._check_not_lookup_only("batch_put")
         validate_keys(keys, values)
         payloads = [byte_view(value) for value in values]
         if not keys:
@@ -289,6 +303,7 @@ class MooncakeStorageBackend(KVStorageBackend):
 
     def batch_get(self, keys: list[str], buffers: list[np.ndarray]) -> list[bool]:
         self._check_open()
+        self._check_not_lookup_only("batch_get")
         validate_keys(keys, buffers)
         destinations = [byte_view(buffer, writable=True) for buffer in buffers]
         if not keys:
@@ -450,6 +465,10 @@ class MooncakeStorageBackend(KVStorageBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("mooncake storage backend used after close()")
+
+    def _check_not_lookup_only(self, operation: str) -> None:
+        if self.lookup_only:
+            raise RuntimeError(f"mooncake: {operation} on a lookup-only client (it only answers exists)")
 
 
 def _chunk_end(destinations: list[memoryview], start: int) -> int:

@@ -1,0 +1,221 @@
+"""The storage tier shared across instances, DP ranks and restarts (issue 14, items 1-2).
+
+Unit part: the engine's lookup handle (``StorageLookup``) and what the KV-cache manager does with its
+answers; the store is a real file backend another "instance" (a second backend object on the same
+directory) wrote into, and the cache transfer process is the boundary (its tasks are collected).
+A store that hangs is a stand-in at the network boundary (Mooncake's exists RPC).
+
+Integration part (real servers): a restarted server and a second server on the same directory (and the
+same Mooncake master) serve a prompt from what the first one stored, with the same greedy output; a
+corrupted object or one stored under another key is a miss and the output stays right; the LRU cap keeps
+the directory under it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from cache_manager.block_hash import hash_full_blocks
+from cache_manager.kv_cache_manager import KVCacheManager
+from cache_manager.kv_layout import storage_key
+from cache_manager.storage_lookup import StorageLookup, create_storage_lookup
+from cache_manager.transfer_factory.base import KVStorageBackend
+from cache_manager.transfer_factory.file_backend import FileStorageBackend
+from cache_manager.transfer_planner import NEGATIVE_LOOKUP_TTL_S
+from config.engine_config import CacheConfig, StorageConfig
+from config.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from harness.server import ServerProcess
+from inter_communicator.messages import TransferTask
+from tests.mooncake_utils import mooncake_importable
+
+BS = 4
+FINGERPRINT = "fp"
+PROMPT = list(range(100, 114))  # 14 tokens: 3 matchable full blocks
+
+
+class TransferLog:
+    def __init__(self) -> None:
+        self.tasks: list[TransferTask] = []
+
+    def __call__(self, task: TransferTask) -> None:
+        self.tasks.append(task)
+
+    def of_kind(self, kind: str) -> list[TransferTask]:
+        return [task for task in self.tasks if task.kind == kind]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def block_keys(tokens: list[int]) -> list[str]:
+    return [storage_key(FINGERPRINT, h, tp_rank=0) for h in hash_full_blocks(tokens, BS, FINGERPRINT)]
+
+
+def other_instance_stores(directory: Path, keys: list[str]) -> None:
+    """What another server's cache transfer process does: write the blocks into the shared directory."""
+    writer = FileStorageBackend(directory, namespace="shared")
+    assert writer.batch_put(keys, [np.full(16, i, np.float32) for i in range(len(keys))]) == [True] * len(keys)
+    writer.close()
+
+
+def make_manager(lookup: KVStorageBackend | StorageLookup, clock: Clock | None = None,
+                 timeout_s: float = 1.0) -> tuple[KVCacheManager, TransferLog]:
+    if isinstance(lookup, KVStorageBackend):
+        lookup = StorageLookup(lookup, timeout_s)
+    log = TransferLog()
+    config = CacheConfig(16, BS, FINGERPRINT, storage_enabled=True, transfer_timeout_s=10.0)
+    cache = KVCacheManager(config, np.zeros(16, np.int8), submit=log, clock=clock or Clock(), storage_lookup=lookup)
+    return cache, log
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4), eos_token_ids=(2,))
+
+
+def test_blocks_another_instance_stored_are_prefetched_after_one_batched_lookup(tmp_path: Path) -> None:
+    keys = block_keys(PROMPT)
+    other_instance_stores(tmp_path, keys)
+    cache, log = make_manager(FileStorageBackend(tmp_path, namespace="shared"))
+    s = seq("a", PROMPT)
+    cache.admit(s)
+    (prefetch,) = log.of_kind("prefetch")
+    assert prefetch.storage_keys == keys
+    assert cache.is_loading(s)
+    stats = cache.summary()
+    assert (stats["storage_lookups"], stats["storage_lookup_hits"], stats["storage_lookup_misses"]) == (1, 3, 0)
+    assert stats["storage_lookup_seconds"] > 0 and stats["storage_lookup_timeouts"] == 0
+
+
+def test_only_the_stored_prefix_is_prefetched(tmp_path: Path) -> None:
+    keys = block_keys(PROMPT)
+    other_instance_stores(tmp_path, [keys[0], keys[2]])  # block 1 is missing: block 2 cannot be used
+    cache, log = make_manager(FileStorageBackend(tmp_path, namespace="shared"))
+    found = cache.match(seq("a", PROMPT))
+    assert found.fills == [(hash_full_blocks(PROMPT, BS, FINGERPRINT)[0], "storage")]
+    assert cache.stats.storage_lookups == 1
+    assert (cache.stats.storage_lookup_hits, cache.stats.storage_lookup_misses) == (2, 1)
+
+
+def test_another_model_fingerprint_is_never_found(tmp_path: Path) -> None:
+    foreign = [storage_key("otherfp", h, tp_rank=0) for h in hash_full_blocks(PROMPT, BS, "otherfp")]
+    other_instance_stores(tmp_path, foreign)
+    cache, log = make_manager(FileStorageBackend(tmp_path, namespace="shared"))
+    assert cache.match(seq("a", PROMPT)).fills == []
+    assert cache.stats.storage_lookup_misses == 3
+
+
+def test_misses_are_remembered_only_for_a_short_time(tmp_path: Path) -> None:
+    clock = Clock()
+    cache, log = make_manager(FileStorageBackend(tmp_path, namespace="shared"), clock)
+    assert cache.match(seq("a", PROMPT)).fills == []
+    other_instance_stores(tmp_path, block_keys(PROMPT))
+    assert cache.match(seq("a", PROMPT)).fills == []  # within the TTL: not asked again
+    assert cache.stats.storage_lookups == 1
+    clock.now += NEGATIVE_LOOKUP_TTL_S + 0.01
+    assert len(cache.match(seq("a", PROMPT)).fills) == 3
+    assert cache.stats.storage_lookups == 2
+    # Positive answers are kept: no further lookup for these blocks.
+    clock.now += NEGATIVE_LOOKUP_TTL_S + 0.01
+    assert len(cache.match(seq("a", PROMPT)).fills) == 3
+    assert cache.stats.storage_lookups == 2
+
+
+def test_device_hits_are_not_looked_up(tmp_path: Path) -> None:
+    cache, log = make_manager(FileStorageBackend(tmp_path, namespace="shared"))
+    first = seq("a", PROMPT)
+    cache.admit(first)
+    assert cache.stats.storage_lookups == 1  # nothing cached yet: all 3 blocks asked for
+    cache.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    cache.on_tokens_computed(first)
+    found = cache.match(seq("b", PROMPT))
+    assert len(found.hit_block_ids) == 3 and found.fills == []
+    assert cache.stats.storage_lookups == 1
+
+
+class HangingStore(FileStorageBackend):
+    """A store whose exists call blocks until released, like an RPC to a master that stopped answering."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, namespace="shared")
+        self.release = threading.Event()
+        self.calls = 0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.calls += 1
+        self.release.wait(30)
+        return super().exists(keys)
+
+
+def test_a_hanging_store_costs_a_miss_within_the_timeout_not_a_stall(tmp_path: Path) -> None:
+    other_instance_stores(tmp_path, block_keys(PROMPT))
+    store = HangingStore(tmp_path)
+    clock = Clock()
+    lookup = StorageLookup(store, timeout_s=0.05)
+    cache, log = make_manager(lookup, clock)
+    started = time.monotonic()
+    assert cache.match(seq("a", PROMPT)).fills == []
+    assert time.monotonic() - started < 1.0
+    assert cache.stats.storage_lookup_timeouts == 1 and cache.stats.storage_lookup_misses == 3
+    # While the first call still hangs, later lookups do not queue behind it.
+    clock.now += NEGATIVE_LOOKUP_TTL_S + 0.01
+    started = time.monotonic()
+    assert cache.match(seq("a", PROMPT)).fills == []
+    assert time.monotonic() - started < 0.04
+    assert store.calls == 1 and cache.stats.storage_lookup_timeouts == 2
+    # Once the store answers again, the next lookup after the TTL finds the blocks.
+    store.release.set()
+    deadline = time.monotonic() + 5
+    fills: list = []
+    while not fills and time.monotonic() < deadline:
+        clock.now += NEGATIVE_LOOKUP_TTL_S + 0.01
+        fills = cache.match(seq("a", PROMPT)).fills
+        time.sleep(0.01)
+    assert len(fills) == 3 and store.calls == 2
+    lookup.close()
+
+
+def test_lookup_handle_from_config_uses_the_shared_directory(tmp_path: Path) -> None:
+    keys = block_keys(PROMPT)
+    other_instance_stores(tmp_path, keys[:2])
+    lookup = create_storage_lookup(StorageConfig(backend="file", namespace="shared", file_dir=str(tmp_path),
+                                                 file_max_bytes=1, lookup_timeout_s=0.5))
+    try:
+        assert lookup.lookup(keys).exists == [True, True, False]
+        assert lookup.backend.max_bytes == 0  # only the writer evicts
+    finally:
+        lookup.close()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not mooncake_importable(), reason="mooncake is not importable (bash .ci/install_system_deps.sh)")
+def test_mooncake_lookup_client_sees_another_clients_objects() -> None:
+    from cache_manager.transfer_factory.factory import create_storage_backend
+    from tests.mooncake_utils import mooncake_master
+
+    with mooncake_master() as master:
+        config = StorageConfig(backend="mooncake", namespace="shared", mooncake_master_addr=master.address,
+                               mooncake_global_segment_size=32 << 20, mooncake_local_buffer_size=16 << 20,
+                               lookup_timeout_s=0.5)
+        lookup = create_storage_lookup(config)  # contributes no memory: nothing could be stored in it
+        writer = create_storage_backend(config)
+        try:
+            keys = block_keys(PROMPT)
+            assert writer.batch_put(keys[:2], [np.ones(16, np.float32)] * 2) == [True, True]
+            assert lookup.lookup(keys).exists == [True, True, False]
+            with pytest.raises(RuntimeError, match="lookup-only"):
+                lookup.backend.batch_put(keys[:1], [np.ones(16, np.float32)])
+        finally:
+            lookup.close()
+            writer.close()
