@@ -44,7 +44,7 @@ setup(
         # harness against a real server. Measured: ~21 s to install over the other test deps, ~40 s and
         # ~930 MB in an empty venv.
         "test": ["pytest", "pytest-timeout", "openai", "httpx", "aiohttp", "hypothesis", "pyyaml",
-                 "lm-eval[api]==0.4.13", "transformers"],
+                 "lm-eval[api]==0.4.13", "transformers", "jsonschema"],
         "bench": ["aiohttp"],
     },
     entry_points={"console_scripts": ["fdserve=launch:main"]},

@@ -443,15 +443,14 @@ class Scheduler:
         params = seq.sampling_params
         # vLLM: before min_tokens, a stop id is an ordinary token (the worker bans them; this holds regardless).
         may_stop = len(seq.output_token_ids) >= params.min_tokens
-        if may_stop and not params.ignore_eos and token in seq.eos_token_ids:
-            return self._finish_with(seq, "stop")
-        if may_stop and token in params.stop_token_ids:
+        if may_stop and ((not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids):
+            # vLLM's rule: the stopping token is part of the output (ids, logprob, completion_tokens);
+            # the API server shows no text for it. Scoring harnesses read its logprob.
+            self._record_token(seq, token, logprob)
             return self._finish_with(seq, "stop")
         if seq.has_grammar and not self.structured_output.accept(seq.request_id, token):
             return self._finish_with(seq, "error", f"structured output: token {token} is not allowed by the grammar")
-        seq.output_token_ids.append(token)
-        if params.logprobs is not None and logprob is not None:
-            seq.unsent_logprobs.append(logprob)
+        self._record_token(seq, token, logprob)
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._finish_with(seq, "length")
         if seq.has_grammar and self.structured_output.is_finished(seq.request_id):
@@ -461,6 +460,12 @@ class Scheduler:
         if problem is not None:
             return self._finish_with(seq, "error", problem)
         return [self._output(seq)]
+
+    @staticmethod
+    def _record_token(seq: Sequence, token: int, logprob: TokenLogprobs | None) -> None:
+        seq.output_token_ids.append(token)
+        if seq.sampling_params.logprobs is not None and logprob is not None:
+            seq.unsent_logprobs.append(logprob)
 
     def _finish_with(self, seq: Sequence, reason: str, error: str | None = None) -> list[RequestOutput]:
         self.running.remove(seq)

@@ -646,3 +646,15 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(call) -> None:
     # Without include_usage it would change nothing: a 400 rather than silently nothing.
     assert_400(call(COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "stream": True,
                                   "stream_options": {"continuous_usage_stats": True}}), "stream_options")
+
+
+def test_more_choices_than_the_engine_runs_at_once_is_a_400(engine: ScriptedEngine) -> None:
+    app = build_app(engine, MODEL, MAX_MODEL_LEN, max_num_seqs=4)
+
+    async def run(n: int) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://scripted") as client:
+            return await client.post(COMPLETIONS, json={"prompt": "Hi", "n": n, "max_tokens": 2})
+    response = asyncio.run(run(5))
+    assert_400(response, "n")
+    assert "--max-num-seqs 4" in response.json()["error"]["message"]
+    assert len(asyncio.run(run(4)).json()["choices"]) == 4

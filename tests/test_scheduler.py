@@ -66,13 +66,14 @@ def test_max_num_seqs_limits_running():
     assert sched.num_waiting == 1
 
 
-def test_finish_on_eos_excludes_eos_and_frees_blocks():
+def test_finish_on_eos_keeps_eos_as_the_last_token_and_frees_blocks():
     sched = make_scheduler()
     sched.add(make_seq("a", prompt_len=5))
     outputs = sched.update(answer(sched.schedule(), token=11))
     assert outputs[0].new_token_ids == [11] and not outputs[0].finished
     outputs = sched.update(answer(sched.schedule(), token=EOS))
-    assert outputs[0].finished and outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == []
+    # vLLM's rule: the stopping token is the output's last token (the API shows no text for it).
+    assert outputs[0].finished and outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == [EOS]
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
     assert not sched.has_work()
 
@@ -92,7 +93,7 @@ def test_stop_token_ids_finish_with_stop():
     sched = make_scheduler()
     sched.add(make_seq("a", prompt_len=5, stop_token_ids=[9]))
     out = sched.update(answer(sched.schedule(), token=9))[0]
-    assert out.finished and out.finish_reason == "stop"
+    assert out.finished and out.finish_reason == "stop" and out.new_token_ids == [9]
 
 
 def test_preemption_frees_blocks_and_recomputes_with_outputs():
@@ -234,14 +235,14 @@ def test_min_tokens_makes_eos_an_ordinary_token_until_reached():
     second = sched.update(answer(sched.schedule(), token=EOS))[0]
     assert second.new_token_ids == [EOS] and not second.finished
     third = sched.update(answer(sched.schedule(), token=EOS))[0]
-    assert third.finished and third.finish_reason == "stop" and third.new_token_ids == []
+    assert third.finished and third.finish_reason == "stop" and third.new_token_ids == [EOS]
 
 
 def lp(token: int, logprob: float = -1.0) -> TokenLogprobs:
     return TokenLogprobs(token, logprob, 1)
 
 
-def test_sampled_token_logprobs_follow_the_emitted_tokens_and_drop_with_the_stop_token():
+def test_sampled_token_logprobs_follow_the_emitted_tokens_including_the_stop_token():
     sched = make_scheduler()
     sched.add(make_seq("a", prompt_len=3, logprobs=2))
     sched.add(make_seq("off", prompt_len=3))
@@ -252,7 +253,7 @@ def test_sampled_token_logprobs_follow_the_emitted_tokens_and_drop_with_the_stop
     batch = sched.schedule()
     outs = {o.request_id: o for o in sched.update(StepResult(
         batch.step_id, sampled_token_ids={"a": EOS, "off": 21}, logprobs={"a": lp(EOS)}))}
-    assert outs["a"].finish_reason == "stop" and outs["a"].new_token_ids == [] and outs["a"].logprobs == []
+    assert outs["a"].finish_reason == "stop" and outs["a"].new_token_ids == [EOS] and outs["a"].logprobs == [lp(EOS)]
 
 
 def prompt_lp_answer(batch: StepBatch, prompts: dict[str, list[int]], token: int = 7) -> StepResult:
@@ -323,7 +324,7 @@ def test_n_choices_prefill_once_share_full_blocks_and_copy_the_partial_one():
     assert [s.sampling_params.seed for s in fork.seqs] == [7, 8, 9]
     outs = sched.update(StepResult(fork.step_id, sampled_token_ids={"req": 30, "req#1": 31, "req#2": EOS}))
     assert [(o.request_id, o.index, o.new_token_ids, o.finish_reason) for o in outs] == \
-        [("req", 0, [30], None), ("req", 1, [31], None), ("req", 2, [], "stop")]
+        [("req", 0, [30], None), ("req", 1, [31], None), ("req", 2, [EOS], "stop")]
     outs = sched.update(answer(sched.schedule(), token=40))
     assert sorted((o.index, o.new_token_ids, o.finish_reason) for o in outs) == \
         [(0, [40], "length"), (1, [40], "length")]

@@ -32,20 +32,21 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: EngineClient | DPRouter, served_model_name: str, max_model_len: int,
               api_key: str | None = None, max_request_bytes: int | None = None,
-              max_tokens_default: int | None = None) -> FastAPI:
+              max_tokens_default: int | None = None, max_num_seqs: int | None = None) -> FastAPI:
     """The OpenAI-compatible ASGI app in front of ``engine``.
 
     ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``;
     ``/health`` and ``/metrics`` (Prometheus text format) stay reachable without it.
     ``max_request_bytes``: largest accepted body (413 beyond); default ``envs.FD_MAX_REQUEST_BYTES``.
     ``max_tokens_default``: cap of a chat completion's default max_tokens (None: the rest of the context).
+    ``max_num_seqs``: the engine's sequence limit; a request for more choices (``n``) is a 400.
     Engine state (``/metrics``, ``/v1/cache/stats``) is read through ``engine``, which knows the
     instance id and DP rank(s) it serves.
     """
     limit = envs.FD_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
     metrics = ServerMetrics(served_model_name, engine)
     serving = OpenAIServing(engine, served_model_name, max_model_len, limit, metrics=metrics,
-                            max_tokens_default=max_tokens_default)
+                            max_tokens_default=max_tokens_default, max_num_seqs=max_num_seqs)
     app = FastAPI(title="fdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

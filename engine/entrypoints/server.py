@@ -100,7 +100,8 @@ def serve_http(server: Server, config: EngineConfig) -> None:
     app = build_app(client, served_model_name=config.server.served_model_name,
                     max_model_len=config.scheduler.max_model_len, api_key=config.server.api_key,
                     max_request_bytes=envs.FD_MAX_REQUEST_BYTES,
-                    max_tokens_default=getattr(config.server, "max_tokens_default", None))
+                    max_tokens_default=config.server.max_tokens_default,
+                    max_num_seqs=config.scheduler.max_num_seqs)
     drain_s = max(0.0, envs.FD_SHUTDOWN_DRAIN_S)
     # Our own SIGINT/SIGTERM handlers: a drain, then launch's finally-block cleanup. uvicorn's
     # own deadline is only a backstop: the drain ends every request before it.

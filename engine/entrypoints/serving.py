@@ -324,7 +324,7 @@ class OpenAIServing:
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_model_len: int,
                  max_request_bytes: int, metrics: ServerMetrics | None = None,
-                 max_tokens_default: int | None = None) -> None:
+                 max_tokens_default: int | None = None, max_num_seqs: int | None = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if max_request_bytes < 1:
@@ -336,6 +336,8 @@ class OpenAIServing:
         self.metrics = metrics
         # Caps a chat completion's default budget (--max-tokens-default); None: the rest of the context.
         self.max_tokens_default = max_tokens_default
+        # The engine runs every choice of a request as its own sequence: n above this can never be scheduled.
+        self.max_num_seqs = max_num_seqs
         self.created = int(time.time())
         self.draining = False
 
@@ -513,6 +515,9 @@ class OpenAIServing:
         """Field checks; returns the chat request's validated tools (None without tools)."""
         parsed.check_supported()
         parsed.check_model(self.served_model_name)
+        if self.max_num_seqs is not None and parsed.num_choices > self.max_num_seqs:
+            raise APIError(f"n={parsed.num_choices} is more choices than this server runs at once "
+                           f"(--max-num-seqs {self.max_num_seqs})", param="n")
         if isinstance(parsed, ChatCompletionRequest):
             return _tool_call_spec(parsed)
         return None
