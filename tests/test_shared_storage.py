@@ -219,3 +219,162 @@ def test_mooncake_lookup_client_sees_another_clients_objects() -> None:
         finally:
             lookup.close()
             writer.close()
+
+
+# ---- integration: real servers sharing a store ------------------------------------------------------
+
+SERVER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "1024",
+               "--max-num-seqs", "4")
+TOPICS = {
+    "rome": "The history of the Roman Empire spans many centuries, from the founding of the city to the fall "
+            "of the west, with emperors, senators, soldiers and merchants shaping a vast territory. ",
+    "plants": "Photosynthesis is the process plants use to turn sunlight, water and carbon dioxide into sugar "
+              "and oxygen, and it sustains almost every food chain on the planet. ",
+    "ocean": "The Pacific Ocean is the largest and deepest of the world's oceans, covering about a third of "
+             "the surface of the Earth and holding thousands of islands. ",
+    "volcano": "Volcanoes form where molten rock from deep inside the Earth reaches the surface through cracks "
+               "in the crust, building mountains of ash and lava over time. ",
+}
+
+
+def long_prompt(topic: str) -> str:
+    return TOPICS[topic] * 5 + "Summarise the text above in one sentence."
+
+
+def complete(server: ServerProcess, prompt: str) -> tuple[list[int], int, int]:
+    """Greedy completion: (completion token ids, cached prompt tokens, prompt tokens)."""
+    resp = httpx.post(server.base_url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}, timeout=300)
+    resp.raise_for_status()
+    body = resp.json()
+    usage = body["usage"]
+    return (body["choices"][0]["completion_token_ids"], usage["prompt_tokens_details"]["cached_tokens"],
+            usage["prompt_tokens"])
+
+
+def cache_stats(server: ServerProcess) -> dict:
+    return httpx.get(server.base_url + "/v1/cache/stats", timeout=30).json()
+
+
+def wait_stored(server: ServerProcess, at_least: int, timeout: float = 60.0) -> dict:
+    """Block until the server's write-through copies landed (a response can return before they do)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = cache_stats(server)
+        if stats["transfers_in_flight"] == 0 and stats["storage_blocks_known"] >= at_least:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"writes did not land within {timeout} s: {stats}")
+        time.sleep(0.2)
+
+
+def object_files(directory: Path) -> dict[Path, int]:
+    """Object file -> mtime_ns under a file-backend directory."""
+    return {path: path.stat().st_mtime_ns for path in directory.rglob("*.kv")}
+
+
+def file_server(directory: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(*SERVER_ARGS, "--kvcache-storage-backend", "file", "--file-backend-storage-dir",
+                         str(directory), *extra)
+
+
+@pytest.mark.integration
+def test_restarted_server_reuses_its_file_store_and_rejects_damaged_objects(tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    cold: dict[str, list[int]] = {}
+    files: dict[str, set[Path]] = {}
+    with file_server(store) as first:
+        known = 0
+        for topic in ("rome", "plants", "ocean"):
+            before = set(object_files(store))
+            tokens, cached, prompt_tokens = complete(first, long_prompt(topic))
+            assert cached == 0
+            cold[topic] = tokens
+            known += prompt_tokens // 16
+            wait_stored(first, known)
+            files[topic] = set(object_files(store)) - before
+            assert len(files[topic]) >= (prompt_tokens - 1) // 16
+    # Damage "plants": flip a payload byte in every one of its objects.
+    for path in files["plants"]:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    # "ocean": each object replaced by another key's object (what a foreign or misplaced object looks like).
+    donors = sorted(files["rome"])
+    for index, path in enumerate(sorted(files["ocean"])):
+        path.write_bytes(donors[index % len(donors)].read_bytes())
+
+    with file_server(store) as restarted:
+        tokens, cached, prompt_tokens = complete(restarted, long_prompt("rome"))
+        assert tokens == cold["rome"]
+        assert cached == (prompt_tokens - 1) // 16 * 16  # every full prompt block came from the store
+        for topic in ("plants", "ocean"):
+            tokens, cached, _ = complete(restarted, long_prompt(topic))
+            assert tokens == cold[topic], topic  # recomputed: the damaged objects were misses
+            assert cached == 0, topic
+        stats = cache_stats(restarted)
+    assert stats["storage_lookups"] >= 3 and stats["storage_lookup_hits"] > 0
+    assert stats["storage_hit_tokens"] > 0
+    assert stats["storage_miss_blocks"] >= 2  # the first block of each damaged prompt failed verification
+    assert stats["storage_lookup_timeouts"] == 0
+
+
+def ttft(server: ServerProcess, prompt: str) -> float:
+    """Seconds from sending a streaming request to its first content chunk."""
+    started = time.perf_counter()
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}, timeout=300) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - started
+    raise AssertionError("the stream ended without a token")
+
+
+def check_second_instance_reuses_the_first(first: ServerProcess, second: ServerProcess) -> None:
+    tokens, cached, prompt_tokens = complete(first, long_prompt("volcano"))
+    assert cached == 0
+    wait_stored(first, (prompt_tokens - 1) // 16)
+    again, cached, _ = complete(second, long_prompt("volcano"))
+    assert again == tokens
+    assert cached == (prompt_tokens - 1) // 16 * 16
+    stats = cache_stats(second)
+    assert stats["storage_lookup_hits"] >= (prompt_tokens - 1) // 16 and stats["storage_hit_tokens"] == cached
+
+
+@pytest.mark.integration
+def test_second_instance_on_the_same_directory_reuses_the_first_ones_blocks(tmp_path: Path) -> None:
+    with file_server(tmp_path / "kv") as first, file_server(tmp_path / "kv") as second:
+        check_second_instance_reuses_the_first(first, second)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not mooncake_importable(), reason="mooncake is not importable (bash .ci/install_system_deps.sh)")
+def test_second_instance_on_the_same_mooncake_master_reuses_the_first_ones_blocks() -> None:
+    from tests.mooncake_utils import mooncake_master
+
+    with mooncake_master() as master:
+        env = {"MOONCAKE_MASTER_SERVER_ADDR": master.address, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(128 << 20),
+               "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
+        with ServerProcess(*SERVER_ARGS, "--kvcache-storage-backend", "mooncake", env=env) as first, \
+                ServerProcess(*SERVER_ARGS, "--kvcache-storage-backend", "mooncake", env=env) as second:
+            check_second_instance_reuses_the_first(first, second)
+
+
+@pytest.mark.integration
+def test_lru_cap_keeps_the_directory_under_it(tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    cap = 16 * 737_312  # sixteen SmolLM2 blocks of 16 tokens (737,280 payload bytes + 32 header bytes)
+    with file_server(store, "--file-backend-max-bytes", str(cap)) as server:
+        outputs = {}
+        for topic in TOPICS:  # ~10 blocks each: the cap holds less than two prompts
+            outputs[topic], _, prompt_tokens = complete(server, long_prompt(topic))
+            wait_stored(server, 1)
+            assert sum(path.stat().st_size for path in object_files(store)) <= cap
+        # The most recent prompt survived eviction: after a device-cache reset it comes back from storage.
+        httpx.post(server.base_url + "/v1/cache/reset", timeout=30).raise_for_status()
+        tokens, cached, _ = complete(server, long_prompt("volcano"))
+        assert tokens == outputs["volcano"] and cached > 0
+        # The first prompt was evicted: recomputed, same output.
+        tokens, cached, _ = complete(server, long_prompt("rome"))
+        assert tokens == outputs["rome"] and cached == 0
