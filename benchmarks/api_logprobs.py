@@ -18,7 +18,6 @@ Prints the JSON report (and writes it to ``--out``). Keeps under two minutes on 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -31,6 +30,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness.server import ServerProcess  # noqa: E402
+from benchmarks.model_setup import write_report  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    write_report(report, args.out)
     return 0
 
 

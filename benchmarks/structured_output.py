@@ -28,6 +28,7 @@ from config.model_config import default_model_path, load_model_config  # noqa: E
 from config.sampling_params import SamplingParams  # noqa: E402
 from config.structured_output import JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutputSpec  # noqa: E402
 from engine.structured_output import StructuredOutputManager, ll_tokenizer_from  # noqa: E402
+from benchmarks.model_setup import write_report  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 from worker.logits_processors import RowState, apply_logits_processors  # noqa: E402
 
@@ -174,11 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_ms": compile_ms,
         "batches": batches,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    write_report(report, args.out)
     return 0
 
 

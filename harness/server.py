@@ -201,6 +201,14 @@ class ServerProcess:
             if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def openai_client(self, asynchronous: bool = False, timeout: float = 120.0):
+        """An ``openai`` client (``AsyncOpenAI`` with ``asynchronous``) for this server (no API key): no retries, so a failure shows."""
+        import openai  # a test/benchmark dependency, not the product's
+
+        client_class = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return client_class(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
+                            timeout=timeout)
+
     def __enter__(self) -> "ServerProcess":
         try:
             return self.start()

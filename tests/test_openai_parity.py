@@ -40,11 +40,11 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client(asynchronous=True)
 
 
 def extra(obj: Any, name: str) -> Any:

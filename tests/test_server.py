@@ -10,7 +10,6 @@ import concurrent.futures
 import time
 
 import httpx
-import openai
 import pytest
 
 from harness.server import ServerProcess, shm_names
@@ -23,18 +22,13 @@ REFERENCE = load_reference()
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-num-seqs", "16")
-    try:
-        srv.start()
+    with ServerProcess("--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.kill_group()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def greedy_completion(base_url: str, entry: dict) -> dict:

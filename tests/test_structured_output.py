@@ -400,17 +400,13 @@ SERVER_MAX_TOKENS = 120
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-num-seqs", "16")
-    try:
-        srv.start()
+    with ServerProcess("--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def chat_text(client: openai.OpenAI, prompt: str, extras: dict, sampling: dict, stream: bool) -> tuple[str, str]:
@@ -468,7 +464,7 @@ def test_server_n_choices_each_follow_the_grammar(client) -> None:
 @pytest.mark.integration
 def test_server_async_client_concurrent_with_plain_requests(server) -> None:
     async def run() -> list:
-        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        aclient = server.openai_client(asynchronous=True)
         try:
             constrained = [aclient.chat.completions.create(
                 model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Invent a person."}],

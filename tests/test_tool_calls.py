@@ -369,17 +369,13 @@ SAMPLINGS = [{"temperature": 0.0}] + [{"temperature": 1.0, "seed": seed} for see
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-num-seqs", "16")
-    try:
-        srv.start()
+    with ServerProcess("--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def check_calls(calls, names=None) -> None:
@@ -505,7 +501,7 @@ def test_server_follow_up_turn_with_tool_result(client, stream) -> None:
 @pytest.mark.integration
 def test_server_async_client_required_calls(server) -> None:
     async def run() -> list:
-        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        aclient = server.openai_client(asynchronous=True)
         try:
             return await asyncio.gather(*[aclient.chat.completions.create(
                 model=MODEL, messages=QUESTION, tools=SERVER_TOOLS, tool_choice="required", max_tokens=120,
