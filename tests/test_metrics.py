@@ -22,6 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.entrypoints.metrics import endpoint_label
 from inter_communicator.kvcache_lock import KVCacheLock
 from harness.server import ServerProcess
 from harness.reference import load_reference
@@ -287,3 +288,10 @@ def test_a_frozen_engine_does_not_hang_the_scrape(server: ServerProcess, client:
     post(client, COMPLETIONS, {"prompt": REFERENCE[2]["prompt_ids"], "max_tokens": 2, "temperature": 0})
     after = scrape(client)
     assert delta(during, after, "fdserve:engine_query_failures_total") == 0
+
+
+def test_endpoint_labels_name_every_route_and_bound_the_rest():
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"):
+        assert endpoint_label(path) == path
+    assert endpoint_label("/v1/models/some-model") == "/v1/models/{model}"
+    assert {endpoint_label(f"/probe/{i}") for i in range(100)} == {"other"}

@@ -50,7 +50,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 # Routes counted under their own name; anything else is "other" so that scanners probing random
 # paths cannot create unbounded label values.
 _KNOWN_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                              "/v1/cache/reset", "/v1/cache/stats"})
+                              "/v1/cache/reset", "/v1/cache/stats", "/tokenize", "/detokenize",
+                              "/tokenizer_info"})
 _MODEL_ROUTE_PREFIX = "/v1/models/"
 
 # cache_stats key -> (metric name without prefix, help). Missing keys read as 0.
