@@ -32,6 +32,7 @@ import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.tensor_parallel import ShardPlan, shard_plan
 from config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,34 @@ class LayerWeights:
 
 
 class LlamaForCausalLM(paddle.nn.Layer):
-    """Decoder-only transformer: RMSNorm, GQA attention with rotate-half RoPE, SwiGLU MLP."""
+    """Decoder-only transformer: RMSNorm, GQA attention with rotate-half RoPE, SwiGLU MLP.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Tensor parallelism: with ``tp_size`` > 1 this instance is rank ``tp_rank``'s shard
+    (``worker.tensor_parallel``): its heads, KV heads and MLP columns only, and ``all_reduce``
+    (every rank's tensor summed, the same bits on every rank) adds the partial outputs of
+    ``o_proj`` and ``down``. Its KV cache holds ``num_kv_heads`` (this rank's) heads.
+    At ``tp_size`` 1 nothing changes: the same weights and ops as without TP.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self._plan: ShardPlan | None = None
+        self._all_reduce = None
+        if tp_size != 1:
+            if all_reduce is None:
+                raise ValueError(f"tensor parallel size {tp_size} needs an all_reduce callable")
+            self._plan = shard_plan(config, tp_rank, tp_size)
+            self._all_reduce = all_reduce
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim ** -0.5
@@ -85,6 +107,9 @@ class LlamaForCausalLM(paddle.nn.Layer):
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Take Hugging Face named float32 arrays ([out, in] layout) and build the runtime weights."""
         get = weight_getter(weights)
+        if self._plan is not None:
+            # Layers read this rank's slices; the embedding and LM head stay replicated.
+            get = self._plan.shard_getter(get)
         self._layers = [
             self.layer_weights(get, f"model.layers.{index}.", with_mlp=True)
             for index in range(self.config.num_hidden_layers)
@@ -162,8 +187,12 @@ class LlamaForCausalLM(paddle.nn.Layer):
             hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
             attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
             projected = paddle.matmul(attended, layer.o_proj)
+            if self._all_reduce is not None:
+                projected = self._all_reduce(projected)
             hidden, residual = self._rms_norm(projected, layer.post_attention_norm, residual)
             hidden = self.mlp(index, hidden, layer)
+            if self._all_reduce is not None:
+                hidden = self._all_reduce(hidden)
         hidden, _ = self._rms_norm(hidden, self._final_norm, residual)
         return hidden
 
