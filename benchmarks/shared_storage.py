@@ -19,7 +19,9 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +32,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.model_setup import write_report  # noqa: E402
-from harness.server import ServerProcess  # noqa: E402
+from harness.server import REPO_ROOT, ServerProcess, free_port  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +90,17 @@ def shared_store(backend: str, directory: str) -> Iterator[tuple[list[str], dict
     if backend == "file":
         yield ["--kvcache-storage-backend", "file", "--file-backend-storage-dir", directory], {}
         return
-    from tests.mooncake_utils import mooncake_master  # the test helper owns the master's life cycle
-
-    with mooncake_master() as master:
+    port = free_port()
+    env = {**os.environ, "MOONCAKE_MASTER_METRICS_PORT": str(free_port()),
+           "MOONCAKE_MASTER_LOG": os.path.join(directory, "mooncake_master.log")}
+    started = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "start_mooncake_master.sh"), str(port)],
+                             env=env, capture_output=True, text=True, check=True)
+    pid = int(started.stdout.split()[-1])
+    try:
         yield ["--kvcache-storage-backend", "mooncake"], {
-            "MOONCAKE_MASTER_SERVER_ADDR": master.address, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20)}
+            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{port}", "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20)}
+    finally:
+        os.kill(pid, signal.SIGTERM)  # the master this benchmark started, by its pid
 
 
 def run(backend: str, prompts: int, prompt_tokens: int) -> dict[str, Any]:

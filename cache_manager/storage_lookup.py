@@ -7,19 +7,20 @@ keys the store holds, so blocks written by another instance on the same Mooncake
 directory, by another DP rank, or by an earlier process on the same ``--file-backend-storage-dir`` are
 found, not only the ones this process wrote.
 
-- The call runs in one worker thread and the engine waits at most ``timeout_s``: a slow or dead
+- The call runs in its own daemon thread and the engine waits at most ``timeout_s``: a slow or dead
   store costs a miss (counted as a timeout), never a stall of the engine loop. While a timed-out call
   is still running, later lookups do not queue behind it: they are misses at once.
 - The answer is not verified (``exists`` only): the prefetch that follows reads each object through
   the backend, which checks its key, length and crc32; a mismatch there is a miss and the sequence
   recomputes that block (``TransferPlanner._finish_plan``).
-- The backend instance is used only from the worker thread (backends are single-threaded, base.py).
+- The backend is used by one call at a time (backends are single-threaded, base.py): a new call
+  starts only after the previous one returned.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -48,8 +49,7 @@ class StorageLookup:
         self.backend = backend
         self.timeout_s = timeout_s
         self._clock = clock
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-lookup")
-        self._pending: concurrent.futures.Future | None = None  # a call that outlived its timeout
+        self._pending: _Call | None = None  # a call that outlived its timeout
         self._warned_slow = False
         self._closed = False
 
@@ -58,38 +58,57 @@ class StorageLookup:
         if not keys:
             return LookupResult([], 0.0)
         started = self._clock()
-        if self._closed or (self._pending is not None and not self._pending.done()):
+        if self._closed or (self._pending is not None and not self._pending.done.is_set()):
             # The previous call still hangs in the store: do not queue behind it.
             return LookupResult([False] * len(keys), 0.0, timed_out=not self._closed)
         self._pending = None
-        future = self._executor.submit(self.backend.exists, keys)
-        try:
-            found = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._pending = future
+        call = _Call(self.backend, keys)
+        # A daemon thread per call: a call hung in the store can never hold up the process's exit.
+        threading.Thread(target=call.run, name="storage-lookup", daemon=True).start()
+        if not call.done.wait(self.timeout_s):
+            self._pending = call
             if not self._warned_slow:
                 self._warned_slow = True
                 logger.warning("storage lookup of %d keys took longer than %.3f s; counted as misses "
                                "(FD_STORAGE_LOOKUP_TIMEOUT_S; logged once)", len(keys), self.timeout_s)
             return LookupResult([False] * len(keys), self._clock() - started, timed_out=True)
-        except (OSError, RuntimeError, ValueError) as exc:
+        seconds = self._clock() - started
+        if call.error is not None:
             # exists() reports an unreachable store as False itself; this is a closed or misused backend.
-            logger.error("storage lookup failed: %s", exc)
-            return LookupResult([False] * len(keys), self._clock() - started)
-        if len(found) != len(keys):
+            logger.error("storage lookup failed: %s", call.error)
+            return LookupResult([False] * len(keys), seconds)
+        if len(call.found) != len(keys):
             logger.error("storage lookup answered %d results for %d keys; treating all as misses",
-                         len(found), len(keys))
-            return LookupResult([False] * len(keys), self._clock() - started)
-        return LookupResult([bool(hit) for hit in found], self._clock() - started)
+                         len(call.found), len(keys))
+            return LookupResult([False] * len(keys), seconds)
+        return LookupResult([bool(hit) for hit in call.found], seconds)
 
     def close(self) -> None:
-        """Stop the worker thread (without waiting for a hung call) and close the backend."""
+        """Close the backend, unless a hung call still uses it (the process's exit ends that one)."""
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._pending is None or self._pending.done():
+        if self._pending is None or self._pending.done.is_set():
             self.backend.close()
+
+
+class _Call:
+    """One exists call running in its own thread; ``done`` is set when it returned or raised."""
+
+    def __init__(self, backend: KVStorageBackend, keys: list[str]) -> None:
+        self.backend = backend
+        self.keys = keys
+        self.found: list[bool] = []
+        self.error: Exception | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.found = list(self.backend.exists(self.keys))
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def create_storage_lookup(config: StorageConfig) -> StorageLookup:
