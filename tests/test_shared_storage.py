@@ -378,3 +378,32 @@ def test_lru_cap_keeps_the_directory_under_it(tmp_path: Path) -> None:
         # The first prompt was evicted: recomputed, same output.
         tokens, cached, _ = complete(server, long_prompt("rome"))
         assert tokens == outputs["rome"] and cached == 0
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not mooncake_importable(), reason="mooncake is not importable (bash .ci/install_system_deps.sh)")
+def test_mooncake_master_gone_lookups_are_misses_within_the_timeout() -> None:
+    from cache_manager.transfer_factory.factory import create_storage_backend
+    from tests.mooncake_utils import MooncakeMaster
+
+    master = MooncakeMaster().start()
+    try:
+        config = StorageConfig(backend="mooncake", namespace="shared", mooncake_master_addr=master.address,
+                               mooncake_global_segment_size=32 << 20, mooncake_local_buffer_size=16 << 20,
+                               mooncake_reconnect_interval_s=0.5, lookup_timeout_s=0.2)
+        lookup = create_storage_lookup(config)
+        writer = create_storage_backend(config)
+        keys = block_keys(PROMPT)
+        assert writer.batch_put(keys, [np.ones(16, np.float32)] * 3) == [True] * 3
+        assert lookup.lookup(keys).exists == [True] * 3
+        master.stop()
+        for _ in range(5):
+            started = time.monotonic()
+            result = lookup.lookup(keys)
+            assert result.exists == [False] * 3
+            assert time.monotonic() - started < 0.5  # bounded by the timeout, whatever the client does
+        lookup.close()
+        writer.close()
+    finally:
+        master.stop()
+        master.remove_log()
