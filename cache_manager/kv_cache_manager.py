@@ -5,7 +5,9 @@
 - ``BlockPool`` (block_pool.py): device blocks, ref counts, states, free queue, evictable LRU;
 - ``PrefixIndex`` (prefix_index.py): hash -> device block and hash -> host block;
 - ``HostPool`` (host_pool.py): host blocks, their LRU and pins;
-- ``TransferPlanner`` (transfer_planner.py): fills, offload, storage policy, tasks and deadlines.
+- ``TransferPlanner`` (transfer_planner.py): fills, offload, storage policy, tasks and deadlines;
+  with a ``StorageLookup`` (storage_lookup.py) it asks the store at admission which blocks exist,
+  so blocks other instances, DP ranks or earlier processes stored are prefetched too.
 
 It decides admission (the prefix match and what committing it costs) and
 registers blocks that became full. Correctness rests on block states, not on

@@ -198,6 +198,23 @@ def test_lookup_handle_from_config_uses_the_shared_directory(tmp_path: Path) -> 
         lookup.close()
 
 
+def test_max_bytes_flag_reaches_the_file_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cache_manager.transfer_factory.factory import create_storage_backend
+    from config.engine_config import EngineArgs, build_engine_config
+
+    monkeypatch.setenv("FD_STORAGE_LOOKUP_TIMEOUT_S", "0.25")
+    config = build_engine_config(EngineArgs(kvcache_storage_backend="file", file_backend_storage_dir=str(tmp_path),
+                                            file_backend_max_bytes=5 << 20, num_gpu_blocks_override=64))
+    assert config.cache.storage.file_max_bytes == 5 << 20
+    assert config.cache.storage.lookup_timeout_s == 0.25
+    backend = create_storage_backend(config.cache.storage)
+    assert backend.max_bytes == 5 << 20
+    backend.close()
+    unbounded = build_engine_config(EngineArgs(kvcache_storage_backend="file", file_backend_storage_dir=str(tmp_path),
+                                               file_backend_max_bytes=0, num_gpu_blocks_override=64))
+    assert unbounded.cache.storage.file_max_bytes == 0
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not mooncake_importable(), reason="mooncake is not importable (bash .ci/install_system_deps.sh)")
 def test_mooncake_lookup_client_sees_another_clients_objects() -> None:
