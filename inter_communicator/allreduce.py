@@ -264,6 +264,9 @@ class GlooAllReduce:
         from paddle.base import core
 
         self.rank, self.world_size = rank, world_size
+        # Paddle's ProcessGroup reads the global rank from these (as in worker/expert_parallel.py).
+        os.environ["PADDLE_TRAINER_ID"] = str(rank)
+        os.environ["PADDLE_TRAINERS_NUM"] = str(world_size)
         self._store = core.TCPStore(master_addr, master_port, rank == 0, world_size, timeout_s)
         self._pg = core.ProcessGroupGloo.create(self._store, rank, world_size, 0)
 
