@@ -214,3 +214,66 @@ def test_smollm2_tp3_matches_tp1_and_the_reference(smollm2_config: ModelConfig) 
                                                    entry["top2_margins"][:DECODE_STEPS + 1])):
             if margin >= MARGIN:
                 assert greedy[step] == token, f"prompt {i} step {step}: TP=3 picks {greedy[step]}, reference {token}"
+
+
+# ------------------------------------------------------------------- real processes, shm all-reduce
+
+
+def _tp_rank_process(path: str, instance: str, rank: int, tp_size: int, seqs: dict[str, list[int]],
+                     results) -> None:
+    """One TP rank in its own process: its shard, its KV cache, the shared-memory all-reduce."""
+    from inter_communicator.allreduce import ShmAllReduce
+    from worker.tensor_parallel import paddle_all_reduce
+
+    config = load_model_config(path)
+    with ShmAllReduce(instance, rank, tp_size, capacity=64 * config.hidden_size, timeout_s=60.0) as group:
+        model = LlamaForCausalLM(config, tp_rank=rank, tp_size=tp_size,
+                                 all_reduce=paddle_all_reduce(group.all_reduce))
+        model.load_weights(load_weights(config))
+        tables = {name: list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i, name in enumerate(seqs)}
+        caches = new_cache(config, model.num_kv_heads, BLOCKS_PER_SEQ * len(seqs))
+        logits = run_schedule(model, caches, seqs, tables, TWO_SEQUENCE_SCHEDULE, BLOCK_SIZE)
+        results.put((rank, {name: value.tobytes() for name, value in logits.items()}, group.generation))
+
+
+@pytest.mark.integration  # spawns one process per TP rank
+def test_tp2_processes_with_shm_allreduce_equal_the_in_process_ranks(tmp_path) -> None:
+    import multiprocessing
+    import os
+    import uuid
+
+    from inter_communicator.allreduce import ShmAllReduceGroup
+
+    path = make_tiny_dense(str(tmp_path), seed=5, with_tokenizer=False, model_type="qwen2")
+    config = load_model_config(path)
+    rng = np.random.default_rng(11)
+    seqs = {"a": rng.integers(3, config.vocab_size, 16).tolist(), "b": rng.integers(3, config.vocab_size, 12).tolist()}
+    tp_size, instance = 2, "ttp" + uuid.uuid4().hex[:8]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with ShmAllReduceGroup(instance, tp_size, capacity=64 * config.hidden_size):
+        procs = [ctx.Process(target=_tp_rank_process, args=(path, instance, rank, tp_size, seqs, results))
+                 for rank in range(tp_size)]
+        for proc in procs:
+            proc.start()
+        try:
+            by_rank = {rank: (logits, calls) for rank, logits, calls in
+                       (results.get(timeout=BARRIER_TIMEOUT_S) for _ in procs)}
+        finally:
+            for proc in procs:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert not [entry for entry in os.listdir("/dev/shm") if f"fd.{instance}." in entry]
+    weights = load_weights(config)
+    emulated, calls = run_tp(config, weights, tp_size, seqs, TWO_SEQUENCE_SCHEDULE)
+    (expected,), _ = run_tp(config, weights, 1, seqs, TWO_SEQUENCE_SCHEDULE)
+    for rank in range(tp_size):
+        logits, generation = by_rank[rank]
+        assert generation == calls  # one shm call per all-reduce (every tensor fits the buffer)
+        for name in seqs:
+            # The shm all-reduce adds in rank order exactly like the emulation: the same bits.
+            assert logits[name] == emulated[rank][name].tobytes(), f"rank {rank} {name}"
+    assert_close_to_tp1(expected, emulated, max_delta=2e-5)
