@@ -199,6 +199,20 @@ def test_counters_and_histograms_follow_requests(client: httpx.Client) -> None:
 LOCK_HOLD_S = 2.0
 
 
+def test_fork_and_storage_lookup_counters_match_the_cache_stats(client: httpx.Client) -> None:
+    before = scrape(client)
+    # 2 full blocks plus a partial one: the 3 choices share 2 blocks each way and copy the partial one.
+    post(client, COMPLETIONS, {"prompt": long_prompt(2 * BLOCK_SIZE + 10), "n": 3, "max_tokens": 2,
+                               "temperature": 1.0, "seed": 1})
+    after = scrape(client)
+    stats = client.get("/v1/cache/stats").json()
+    assert delta(before, after, "fdserve:kv_fork_shared_blocks_total") == 4
+    assert delta(before, after, "fdserve:kv_fork_copied_blocks_total") == 2
+    for key, name in (("fork_shared_blocks", "kv_fork_shared_blocks"), ("fork_copied_blocks", "kv_fork_copied_blocks"),
+                      ("storage_lookups", "kv_storage_lookups"), ("storage_lookup_timeouts", "kv_storage_lookup_timeouts")):
+        assert value(after, f"fdserve:{name}_total") == stats[key], key
+
+
 def test_lock_waits_are_exported(server: ServerProcess, client: httpx.Client) -> None:
     """Hold the server's KV-cache lock from the test while a request runs: its execute_model has
     to wait, and the wait shows up in the exported counters."""

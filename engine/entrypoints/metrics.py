@@ -64,6 +64,14 @@ _CACHE_COUNTERS = (
     ("swap_out_blocks", "kv_swap_out_blocks", "Blocks swapped out from the device to the host tier."),
     ("transfer_timeouts", "kv_transfer_timeouts", "KV fills (swap-in / prefetch) that timed out and recomputed."),
     ("transfers_overdue", "kv_transfers_overdue", "KV transfers of any kind seen past their deadline."),
+    ("storage_lookups", "kv_storage_lookups", "Batched exists calls the engine made to the storage tier."),
+    ("storage_lookup_hits", "kv_storage_lookup_hit_blocks", "Blocks the storage tier's exists calls found."),
+    ("storage_lookup_misses", "kv_storage_lookup_miss_blocks", "Blocks the storage tier's exists calls did not find."),
+    ("storage_lookup_timeouts", "kv_storage_lookup_timeouts",
+     "Storage exists calls that outlasted FD_STORAGE_LOOKUP_TIMEOUT_S (counted as misses)."),
+    ("storage_lookup_seconds", "kv_storage_lookup_seconds", "Seconds the engine waited for storage exists calls."),
+    ("fork_shared_blocks", "kv_fork_shared_blocks", "KV blocks choices of an n > 1 request shared instead of computing."),
+    ("fork_copied_blocks", "kv_fork_copied_blocks", "Partial KV blocks copied when an n > 1 request forked."),
 )
 _CACHE_GAUGES = (
     ("kv_blocks_cached", "kv_blocks_cached", "Device KV blocks holding an evictable cached prefix."),
