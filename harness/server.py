@@ -202,7 +202,10 @@ class ServerProcess:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def openai_client(self, asynchronous: bool = False, timeout: float = 120.0):
-        """An ``openai`` client (``AsyncOpenAI`` with ``asynchronous``) for this server (no API key): no retries, so a failure shows."""
+        """An ``openai`` client (``AsyncOpenAI`` with ``asynchronous``) for this server (no API key).
+
+        No retries, so a failure shows.
+        """
         import openai  # a test/benchmark dependency, not the product's
 
         client_class = openai.AsyncOpenAI if asynchronous else openai.OpenAI

@@ -208,8 +208,10 @@ def test_fork_and_storage_lookup_counters_match_the_cache_stats(client: httpx.Cl
     stats = client.get("/v1/cache/stats").json()
     assert delta(before, after, "fdserve:kv_fork_shared_blocks_total") == 4
     assert delta(before, after, "fdserve:kv_fork_copied_blocks_total") == 2
-    for key, name in (("fork_shared_blocks", "kv_fork_shared_blocks"), ("fork_copied_blocks", "kv_fork_copied_blocks"),
-                      ("storage_lookups", "kv_storage_lookups"), ("storage_lookup_timeouts", "kv_storage_lookup_timeouts")):
+    for key, name in (("fork_shared_blocks", "kv_fork_shared_blocks"),
+                      ("fork_copied_blocks", "kv_fork_copied_blocks"),
+                      ("storage_lookups", "kv_storage_lookups"),
+                      ("storage_lookup_timeouts", "kv_storage_lookup_timeouts")):
         assert value(after, f"fdserve:{name}_total") == stats[key], key
 
 

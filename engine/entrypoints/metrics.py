@@ -70,7 +70,8 @@ _CACHE_COUNTERS = (
     ("storage_lookup_timeouts", "kv_storage_lookup_timeouts",
      "Storage exists calls that outlasted FD_STORAGE_LOOKUP_TIMEOUT_S (counted as misses)."),
     ("storage_lookup_seconds", "kv_storage_lookup_seconds", "Seconds the engine waited for storage exists calls."),
-    ("fork_shared_blocks", "kv_fork_shared_blocks", "KV blocks choices of an n > 1 request shared instead of computing."),
+    ("fork_shared_blocks", "kv_fork_shared_blocks",
+     "KV blocks choices of an n > 1 request shared instead of computing."),
     ("fork_copied_blocks", "kv_fork_copied_blocks", "Partial KV blocks copied when an n > 1 request forked."),
 )
 _CACHE_GAUGES = (
