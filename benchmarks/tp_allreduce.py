@@ -7,6 +7,10 @@ latency) at ``--ranks`` spawned processes, for the sizes of a decode step (1 x h
 of a prefill chunk (``--chunk-tokens`` x hidden), plus the per-step all-reduce cost this implies
 for a ``--layers``-layer model (two all-reduces per layer: after o_proj and after down).
 
+``--model-steps K`` also times K batch-1 decode steps (after a 32-token prefill) of the default model
+(SmolLM2-135M) at TP=1 and at TP=``--model-tp`` (one spawned process per rank, shm all-reduce,
+``--threads`` compute threads per process), median per-step forward time measured on rank 0.
+
     python benchmarks/tp_allreduce.py --out benchmarks/results/tp_allreduce.json
 
 Prints JSON to stdout and writes it to ``--out`` if given.
@@ -106,6 +110,69 @@ def _summary(samples: list[float]) -> dict[str, float]:
             "calls": len(ordered)}
 
 
+PREFILL_TOKENS = 32
+MODEL_BLOCK_SIZE = 16
+
+
+def _model_rank(instance: str, rank: int, tp_size: int, steps: int, threads: int, results: Any) -> None:
+    """One rank of the default model: prefill 32 tokens, then ``steps`` timed batch-1 decode steps."""
+    import envs
+
+    envs.apply_compute_thread_env(threads)
+    import paddle
+
+    from cache_manager.kv_layout import device_cache_shape
+    from config.model_config import default_model_path, load_model_config
+    from worker.attention import build_attention_metadata, kv_cache_views
+    from worker.loader import load_weights
+    from worker.models.llama import LlamaForCausalLM
+    from worker.tensor_parallel import paddle_all_reduce
+
+    config = load_model_config(default_model_path())
+    group = None
+    if tp_size > 1:
+        group = ShmAllReduce(instance, rank, tp_size, capacity=PREFILL_TOKENS * config.hidden_size, timeout_s=120)
+        model = LlamaForCausalLM(config, tp_rank=rank, tp_size=tp_size, all_reduce=paddle_all_reduce(group.all_reduce))
+    else:
+        model = LlamaForCausalLM(config)
+    try:
+        model.load_weights(load_weights(config))
+        total = PREFILL_TOKENS + steps + 1
+        blocks = -(-total // MODEL_BLOCK_SIZE)
+        shape = list(device_cache_shape(config, blocks, MODEL_BLOCK_SIZE))
+        shape[3] = model.num_kv_heads  # this rank's KV heads only
+        caches = kv_cache_views(np.zeros(shape, dtype=np.float32))
+        table = list(range(blocks))
+        tokens = [(17 * i) % 1000 + 3 for i in range(total)]
+        samples = []
+        with paddle.no_grad():
+            for done, count in [(0, PREFILL_TOKENS)] + [(PREFILL_TOKENS + i, 1) for i in range(steps)]:
+                meta = build_attention_metadata([count], [done + count], [table], MODEL_BLOCK_SIZE)
+                start = time.perf_counter()
+                hidden = model(paddle.to_tensor(tokens[done:done + count], dtype="int64"), meta.positions, caches, meta)
+                model.compute_logits(hidden[-1:]).numpy()
+                samples.append(time.perf_counter() - start)
+        results.put((rank, {"decode": samples[1:]}))
+    finally:
+        if group is not None:
+            group.close()
+
+
+def model_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """Median decode-step time of the default model at TP=1 and TP=``args.model_tp``."""
+    figures: dict[str, Any] = {"threads_per_process": args.threads, "steps": args.model_steps}
+    for tp_size in (1, args.model_tp):
+        instance = "tpms" + uuid.uuid4().hex[:8]
+        if tp_size > 1:
+            with ShmAllReduceGroup(instance, tp_size, PREFILL_TOKENS * args.hidden):
+                timings = _run_group(_model_rank, lambda r: (instance, r, tp_size, args.model_steps, args.threads),
+                                     tp_size)
+        else:
+            timings = _run_group(_model_rank, lambda r: (instance, r, 1, args.model_steps, args.threads), 1)
+        figures[f"tp{tp_size}_decode_step_ms"] = round(statistics.median(timings["decode"]) * 1000, 2)
+    return figures
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {"decode_1x%d" % args.hidden: args.hidden,
              "prefill_%dx%d" % (args.chunk_tokens, args.hidden): args.chunk_tokens * args.hidden}
@@ -126,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for backend, figures in report["backends"].items():
         per_step[backend] = round(2 * args.layers * figures[decode_label]["median_us"] / 1000, 2)
     report["decode_step_allreduce_ms"] = {"layers": args.layers, "calls_per_step": 2 * args.layers, **per_step}
+    if args.model_steps:
+        report["model_decode_step"] = model_steps(args)
     return report
 
 
@@ -137,6 +206,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="decoder layers for the per-step figure")
     parser.add_argument("--calls", type=int, default=2000, help="decode-size calls (prefill: a tenth)")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--model-steps", type=int, default=0, help="also time this many decode steps of the model")
+    parser.add_argument("--model-tp", type=int, default=3, help="TP size for --model-steps (SmolLM2: 3)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per rank process")
     parser.add_argument("--out")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

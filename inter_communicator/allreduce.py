@@ -177,10 +177,11 @@ class ShmAllReduce:
         out = np.empty_like(flat)
         for start in range(0, max(flat.size, 1), self.capacity):
             piece = flat[start:start + self.capacity]
-            out[start:start + piece.size] = self._reduce_piece(piece)
+            self._reduce_piece(piece, out[start:start + piece.size])
         return out.reshape(np.shape(x))
 
-    def _reduce_piece(self, piece: np.ndarray) -> np.ndarray:
+    def _reduce_piece(self, piece: np.ndarray, out: np.ndarray) -> None:
+        """Sum every rank's ``piece`` into ``out`` (same size)."""
         if self._broken is not None:
             raise AllReduceError(f"TP rank {self.rank}: all-reduce group is broken ({self._broken}); "
                                  "the TP group must be restarted")
@@ -197,11 +198,10 @@ class ShmAllReduce:
                 self._fail(f"rank {peer} is at call {peer_gen} with {peer_count} floats, "
                            f"this rank at call {gen} with {count} (calls out of lockstep)")
         slots = self._data[buffer, :, :count]
-        result = slots[0].copy()
+        np.copyto(out, slots[0])
         for rank in range(1, self.world_size):
-            result += slots[rank]
+            out += slots[rank]
         self.generation = gen + 1
-        return result
 
     def _wait(self, peer: int, sem: posix_ipc.Semaphore, gen: int) -> None:
         deadline = time.monotonic() + self.timeout_s
