@@ -206,7 +206,7 @@ def test_smollm2_tp3_matches_tp1_and_the_reference(smollm2_config: ModelConfig) 
     schedule += [[(f"p{i}", 1) for i in range(len(entries))] for _ in range(DECODE_STEPS)]
     (expected,), _ = run_tp(config, weights, 1, seqs, schedule)
     ranks, _calls = run_tp(config, weights, 3, seqs, schedule)
-    assert_close_to_tp1(expected, ranks, max_delta=2e-3)
+    assert_close_to_tp1(expected, ranks, max_delta=5e-4)
     for i, entry in enumerate(entries):
         first = len(entry["prompt_ids"]) - 1
         greedy = ranks[0][f"p{i}"][first:first + DECODE_STEPS + 1].argmax(-1)
