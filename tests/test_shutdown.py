@@ -165,3 +165,22 @@ def test_short_requests_finish_normally_during_the_drain():
         assert in_flight >= 1, "no request was in flight when the drain began"
         assert "every request finished during the drain" in log
         check_clean_stop(server, seconds)
+
+
+def test_a_second_sigint_during_the_drain_stops_at_once_without_a_traceback():
+    with ServerProcess() as server:
+        body = {"prompt": REFERENCE[1]["prompt_ids"], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        threads, all_events = run_streams(server, body, 1)
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while "draining requests" not in server.log_path.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        seconds = server.stop(signal.SIGINT, timeout=30)
+        threads[0].join(10)
+        assert not threads[0].is_alive(), "the stream hung after the server stopped"
+        assert check_stream_ended_cleanly(all_events[0]) == "error"  # its client was told why
+        assert "again; stopping now" in server.log_path.read_text(errors="replace"), server.log_tail(40)
+        # Well before the 5 s drain would have ended.
+        assert time.monotonic() - started < 4.0, server.log_tail(40)
+        check_clean_stop(server, seconds)

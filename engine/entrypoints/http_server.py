@@ -40,7 +40,12 @@ class ApiServer(uvicorn.Server):
 
 def create_server(app: FastAPI, host: str, port: int, *, access_log: bool = False, handle_signals: bool = True,
                   timeout_graceful_shutdown: float = 5.0) -> ApiServer:
-    """An ``ApiServer`` for ``app``; logs at ``envs.FD_LOG_LEVEL``, no access log by default."""
+    """An ``ApiServer`` for ``app``; logs at ``envs.FD_LOG_LEVEL``, no access log by default.
+
+    The ASGI lifespan protocol is off: the app has no startup or shutdown handlers (the processes are started
+    and stopped by launch.py), and on a forced exit (a second Ctrl-C) uvicorn left the lifespan task to be
+    cancelled at loop teardown, which it logged as an error with a CancelledError traceback.
+    """
     config = uvicorn.Config(app, host=host, port=port, log_level=envs.FD_LOG_LEVEL.lower(), access_log=access_log,
-                            timeout_graceful_shutdown=int(timeout_graceful_shutdown))
+                            timeout_graceful_shutdown=int(timeout_graceful_shutdown), lifespan="off")
     return ApiServer(config, handle_signals=handle_signals)

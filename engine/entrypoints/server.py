@@ -112,10 +112,18 @@ def serve_http(server: Server, config: EngineConfig) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
         shutdown: list[asyncio.Task] = []
+        signals_seen: list[signal.Signals] = []
 
         def on_signal(sig: signal.Signals) -> None:
-            if shutdown:
+            signals_seen.append(sig)
+            if len(signals_seen) == 2:
+                # Requests in flight end now with an error event, so their connections close cleanly;
+                # uvicorn's graceful wait then returns at once (forcing it would cancel them mid-write).
                 logger.warning("received %s again; stopping now", sig.name)
+                app.state.serving.cut_drain()
+                return
+            if len(signals_seen) > 2:
+                logger.warning("received %s a third time; exiting without waiting for connections", sig.name)
                 http.force_exit = True
                 return
             logger.info("received %s; draining requests for up to %.1f s, then stopping", sig.name, drain_s)

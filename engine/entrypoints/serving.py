@@ -340,6 +340,8 @@ class OpenAIServing:
         self.max_num_seqs = max_num_seqs
         self.created = int(time.time())
         self.draining = False
+        # Set by cut_drain (a second Ctrl-C): the drain ends the requests in flight now.
+        self._drain_cut = asyncio.Event()
 
     def check_accepting(self) -> None:
         """``APIError`` 503 when no engine takes a new request now (shutdown, restart, down)."""
@@ -360,14 +362,25 @@ class OpenAIServing:
         if stop_accepting is not None:
             stop_accepting()
         logger.info("shutdown: draining %d request(s) in flight", self.engine.num_active_requests)
-        if await self.engine.wait_idle(deadline_s):
+        idle = asyncio.ensure_future(self.engine.wait_idle(deadline_s))
+        cut = asyncio.ensure_future(self._drain_cut.wait())
+        try:
+            await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+            idle.cancel()
+        if idle.done() and not idle.cancelled() and idle.result():
             logger.info("shutdown: every request finished during the drain")
             return
         failed = self.engine.fail_all(_SHUTDOWN_MESSAGE)
-        logger.info("shutdown: drain deadline of %.1f s passed; ended %d request(s) with an error", deadline_s,
-                    failed)
+        why = "cut short" if self._drain_cut.is_set() else f"deadline of {deadline_s:.1f} s passed"
+        logger.info("shutdown: drain %s; ended %d request(s) with an error", why, failed)
         # Give the ended requests a moment to send their last event through the event loop.
         await self.engine.wait_idle(1.0)
+
+    def cut_drain(self) -> None:
+        """End the drain now: the requests still in flight end with an error (a second Ctrl-C)."""
+        self._drain_cut.set()
 
     @property
     def tokenizer(self) -> Tokenizer:
