@@ -30,6 +30,13 @@ def _opt_str(value: str) -> str | None:
     return value or None
 
 
+def _native_kernels_mode(value: str) -> str:
+    mode = value.strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"expected auto, 0 or 1, got {value!r}")
+    return mode
+
+
 _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "FD_USE_KVCACHE_LOCK": (_bool, False, "Hold a cross-process lock around execute_model and KV-cache transfers."),
     "FD_KVCACHE_LOCK_TIMEOUT": (float, 10.0, "Seconds a lock waiter waits before checking whether the holder died."),
@@ -74,6 +81,12 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
                                         "ends them with an error (new requests get 503 meanwhile)."),
     "FD_METRICS_ENGINE_TIMEOUT": (float, 1.0, "Seconds GET /metrics waits for the engine's cache_stats reply "
                                   "before serving the previous values."),
+    "FD_NATIVE_KERNELS": (_native_kernels_mode, "auto", "Native C++ CPU kernels (worker/kernels): 'auto' builds "
+                          "and uses them where possible, falling back to the Paddle ops (logged once) when the "
+                          "compiler or a needed CPU feature is missing or the build fails; '0' never uses them; "
+                          "'1' uses them and fails loudly when they are unavailable."),
+    "FD_KERNEL_CACHE_DIR": (_opt_str, None, "Directory of compiled native kernels, one entry per hash of sources, "
+                            "flags, Paddle and compiler version (default: ~/.cache/fdserve/kernels)."),
 }
 
 
