@@ -18,6 +18,7 @@ setup(
         "engine.entrypoints",
         "worker",
         "worker.models",
+        "worker.kernels",
         "cache_manager",
         "cache_manager.transfer_factory",
         "inter_communicator",
