@@ -1,7 +1,9 @@
 """The cache transfer process: moves KV blocks between the device pool, the host pool and storage.
 
-One process per worker rank, spawned by the engine (``run_cache_transfer``). It owns:
-- the host KV pool segment (created here, unlinked on every exit path);
+One process per DP rank, spawned by the engine (``run_cache_transfer``); with tensor parallelism it maps
+every TP rank's device segment and moves all shards of a block as one unit (one task, one lock hold, one
+``TransferDone``; a block is stored or loaded only if every shard is). It owns:
+- the host KV pool segments, one per TP rank's shard (created here, unlinked on every exit path);
 - the storage backend client (``--kvcache-storage-backend``) and its reusable staging buffers;
 - the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch) and
   ``ClearStorage``, answered with ``TransferStarted`` / ``TransferDone`` over ZMQ;
@@ -39,6 +41,7 @@ from cache_manager.kv_layout import (
     device_cache_shape,
     host_cache_segment,
     host_cache_shape,
+    shard_storage_keys,
 )
 from cache_manager.transfer_factory.base import KVStorageBackend
 from cache_manager.transfer_factory.factory import create_storage_backend
@@ -126,21 +129,25 @@ def _state_name(value: int) -> str:
 
 
 class CacheTransferManager:
-    """Executes transfer tasks of one worker rank; ``serve`` runs until ``stop_event`` is set."""
+    """Executes the transfer tasks of one DP rank (all TP shards); ``serve`` runs until ``stop_event`` is set.
+
+    ``tp_rank`` is only this process's slot in the per-rank signals (the engine starts one, slot 0).
+    """
 
     def __init__(self, config: EngineConfig, tp_rank: int, task_addr: str, done_addr: str,
                  stop_event: threading.Event | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
+        self.tp_size = config.parallel.tensor_parallel_size
         self.stop_event = stop_event or threading.Event()
         self.sanitizer = bool(envs.FD_KVCACHE_SANITIZER)  # read once: a process-wide mode, fixed at start
         self.fault_slow_fill_s = envs.FD_KVCACHE_FAULT_SLOW_FILL_S
         self.signals: InstanceSignals | None = None
-        self.device_segment: SharedArray | None = None
-        self.host_segment: SharedArray | None = None
+        self.device_segments: list[SharedArray] = []  # per TP rank
+        self.host_segments: list[SharedArray] = []  # per TP rank
         self.backend: KVStorageBackend | None = None
         self.lock: KVCacheLock | NullKVCacheLock | None = None
-        self.staging: np.ndarray | None = None
+        self.stagings: list[np.ndarray] = []  # per TP rank
         self.zmq_context: zmq.Context | None = None
         self.task_socket: zmq.Socket | None = None
         self.done_socket: zmq.Socket | None = None
@@ -155,22 +162,23 @@ class CacheTransferManager:
     # ---- set-up / tear-down ----------------------------------------------------------------
 
     def _open(self, task_addr: str, done_addr: str) -> None:
-        config, model = self.config, self.config.model
+        config, model, tp = self.config, self.config.model, self.tp_size
+        dp_rank, block_size = config.parallel.dp_rank, config.cache.block_size
         self.signals = InstanceSignals(config, create=False)
-        self.device_segment = SharedArray(
-            device_cache_segment(config.instance_id, config.parallel.dp_rank, self.tp_rank),
-            device_cache_shape(model, config.cache.num_gpu_blocks, config.cache.block_size), np.float32,
-            create=False)
+        for rank in range(tp):
+            self.device_segments.append(SharedArray(
+                device_cache_segment(config.instance_id, dp_rank, rank),
+                device_cache_shape(model, config.cache.num_gpu_blocks, block_size, tp), np.float32, create=False))
         if config.cache.num_cpu_blocks > 0:
-            self.host_segment = SharedArray(
-                host_cache_segment(config.instance_id, config.parallel.dp_rank, self.tp_rank),
-                host_cache_shape(model, config.cache.num_cpu_blocks, config.cache.block_size), np.float32,
-                create=True)
+            for rank in range(tp):
+                self.host_segments.append(SharedArray(
+                    host_cache_segment(config.instance_id, dp_rank, rank),
+                    host_cache_shape(model, config.cache.num_cpu_blocks, block_size, tp), np.float32, create=True))
         if config.cache.storage is not None:
             self.backend = create_storage_backend(config.cache.storage)
             staging_blocks = min(STAGING_BLOCKS, config.cache.num_gpu_blocks)
-            self.staging = np.empty((staging_blocks, *block_shape(model, config.cache.block_size)),
-                                    dtype=np.float32)
+            self.stagings = [np.empty((staging_blocks, *block_shape(model, block_size, tp)), dtype=np.float32)
+                             for _ in range(tp)]
         self.lock = kvcache_lock_for(config.instance_id, config.parallel.dp_rank, role="cache_transfer")
         self.zmq_context = zmq.Context()
         self.task_socket = self.zmq_context.socket(zmq.PULL)
@@ -178,16 +186,17 @@ class CacheTransferManager:
         self.done_socket = self.zmq_context.socket(zmq.PUSH)
         self.done_socket.setsockopt(zmq.LINGER, DONE_LINGER_MS)
         self.done_socket.connect(done_addr)
-        logger.info("cache transfer ready: device pool %d blocks, host pool %d blocks%s, storage %s, lock %s, "
-                    "sanitizer %s", config.cache.num_gpu_blocks, config.cache.num_cpu_blocks,
-                    f" ({self.host_segment.name})" if self.host_segment else "",
+        logger.info("cache transfer ready: device pool %d blocks x %d TP shard(s), host pool %d blocks%s, storage %s, "
+                    "lock %s, sanitizer %s", config.cache.num_gpu_blocks, tp, config.cache.num_cpu_blocks,
+                    f" ({', '.join(h.name for h in self.host_segments)})" if self.host_segments else "",
                     config.cache.storage.backend if config.cache.storage else "none",
                     "on" if self.lock.enabled else "off",
                     "on" if self.sanitizer else "off")
 
     @property
-    def device(self) -> np.ndarray:
-        return self.device_segment.array
+    def devices(self) -> list[np.ndarray]:
+        """Every TP rank's device pool, rank order."""
+        return [segment.array for segment in self.device_segments]
 
     def close(self) -> None:
         """Release everything; safe on a partly opened manager and on repeated calls."""
@@ -214,14 +223,14 @@ class CacheTransferManager:
             except Exception:  # shutting down anyway: report, then keep releasing the rest
                 logger.exception("closing the storage backend failed")
             self.backend = None
-        if self.host_segment is not None:
-            self.host_segment.close()
-            self.host_segment.unlink()
-            self.host_segment = None
-        if self.device_segment is not None:
-            self.device_segment.close()
-            self.device_segment = None
-        self.staging = None
+        for segment in self.host_segments:
+            segment.close()
+            segment.unlink()
+        self.host_segments = []
+        for segment in self.device_segments:
+            segment.close()
+        self.device_segments = []
+        self.stagings = []
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -301,20 +310,22 @@ class CacheTransferManager:
         _require_pairs(task, len(task.host_block_ids), "host_block_ids")
         with self.lock.hold("swap_out"):
             self._check_states(task, device_ids)
-            device_to_host(self.device, host, device_ids, task.host_block_ids)
+            for device, host_shard in zip(self.devices, host):
+                device_to_host(device, host_shard, device_ids, task.host_block_ids)
         return [True] * len(device_ids)
 
     def _swap_in(self, task: TransferTask) -> list[bool]:
         host = self._host_pool(task)
         device_ids = self._device_ids(task)
         _require_pairs(task, len(task.host_block_ids), "host_block_ids")
-        check_block_ids(task.host_block_ids, host.shape[0], "host")
+        check_block_ids(task.host_block_ids, host[0].shape[0], "host")
         self._check_states(task, device_ids)
         with self.lock.hold("swap_in"):
             self._send_started(task)
             self._fault_slow_fill()
             self._check_states(task, device_ids)
-            host_to_device(host, self.device, task.host_block_ids, device_ids)
+            for device, host_shard in zip(self.devices, host):
+                host_to_device(host_shard, device, task.host_block_ids, device_ids)
         return [True] * len(device_ids)
 
     def _write_back(self, task: TransferTask) -> list[bool]:
@@ -329,10 +340,30 @@ class CacheTransferManager:
             chunk_ids = device_ids[chunk]
             with self.lock.hold("write_back"):
                 self._check_states(task, chunk_ids)
-                device_to_staging(self.device, self.staging, chunk_ids)
-            buffers = [self.staging[row] for row in range(len(chunk_ids))]
-            ok.extend(_results(backend.batch_put(task.storage_keys[chunk], buffers), len(chunk_ids), "batch_put"))
+                for device, staging in zip(self.devices, self.stagings):
+                    device_to_staging(device, staging, chunk_ids)
+            rows = range(len(chunk_ids))
+            ok.extend(self._put_shards(backend, task.storage_keys[chunk],
+                                       [[staging[row] for row in rows] for staging in self.stagings]))
         return ok
+
+    def _put_shards(self, backend: KVStorageBackend, rank0_keys: Sequence[str],
+                    buffers: list[list[np.ndarray]]) -> list[bool]:
+        """One batch_put of every TP shard of each block (``buffers[rank][i]``); a block is stored if all are."""
+        keys = self._shard_keys(rank0_keys)
+        flat = [buffer for shard in buffers for buffer in shard]
+        return self._all_shards(_results(backend.batch_put(keys, flat), len(keys), "batch_put"), len(rank0_keys))
+
+    def _shard_keys(self, rank0_keys: Sequence[str]) -> list[str]:
+        """Every rank's key, rank-major: rank 0's keys of all blocks, then rank 1's, ..."""
+        if self.tp_size == 1:
+            return list(rank0_keys)
+        per_block = [shard_storage_keys(key, self.tp_size) for key in rank0_keys]
+        return [keys[rank] for rank in range(self.tp_size) for keys in per_block]
+
+    def _all_shards(self, results: list[bool], count: int) -> list[bool]:
+        """Per block: True only if every rank's shard (rank-major ``results``) succeeded."""
+        return [all(results[rank * count + i] for rank in range(self.tp_size)) for i in range(count)]
 
     def _write_back_from_host(self, task: TransferTask, backend: KVStorageBackend) -> list[bool]:
         """Host blocks are contiguous storage objects already and only this process writes them:
@@ -341,9 +372,8 @@ class CacheTransferManager:
         if len(task.host_block_ids) != len(task.storage_keys):
             raise TransferTaskError(f"write_back task {task.task_id}: {len(task.host_block_ids)} host blocks "
                                     f"but {len(task.storage_keys)} storage keys")
-        host_ids = check_block_ids(task.host_block_ids, host.shape[0], "host")
-        return _results(backend.batch_put(list(task.storage_keys), [host[h] for h in host_ids]), len(host_ids),
-                        "batch_put")
+        host_ids = check_block_ids(task.host_block_ids, host[0].shape[0], "host")
+        return self._put_shards(backend, task.storage_keys, [[shard[h] for h in host_ids] for shard in host])
 
     def _prefetch(self, task: TransferTask) -> list[bool]:
         """Storage -> device in staging-sized chunks, under one lock hold from TransferStarted on.
@@ -373,15 +403,18 @@ class CacheTransferManager:
                 chunk_ids = device_ids[chunk]
                 self._check_states(task, chunk_ids)
                 hit_rows = [row for row, hit in enumerate(got) if hit]
-                staging_to_device(self.staging, self.device, hit_rows, [chunk_ids[row] for row in hit_rows])
+                for device, staging in zip(self.devices, self.stagings):
+                    staging_to_device(staging, device, hit_rows, [chunk_ids[row] for row in hit_rows])
                 ok.extend(got)
         return ok
 
     def _read_chunk(self, task: TransferTask, backend: KVStorageBackend, chunk: slice) -> list[bool]:
-        """One chunk of a prefetch from storage into the staging rows 0.., per-block hits."""
+        """One chunk of a prefetch from storage into the staging rows 0.. of every shard; per-block hits
+        (a block whose shards are not all there is a miss: nothing of it is copied)."""
         count = chunk.stop - chunk.start
-        buffers = [self.staging[row] for row in range(count)]
-        return _results(backend.batch_get(task.storage_keys[chunk], buffers), count, "batch_get")
+        keys = self._shard_keys(task.storage_keys[chunk])
+        buffers = [staging[row] for staging in self.stagings for row in range(count)]
+        return self._all_shards(_results(backend.batch_get(keys, buffers), len(keys), "batch_get"), count)
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -399,17 +432,18 @@ class CacheTransferManager:
             time.sleep(self.fault_slow_fill_s)
 
     def _chunks(self, count: int) -> list[slice]:
-        size = self.staging.shape[0]
+        size = self.stagings[0].shape[0]
         return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
     def _device_ids(self, task: TransferTask) -> list[int]:
         return check_block_ids(task.device_block_ids, self.config.cache.num_gpu_blocks, "device", unique=True)
 
-    def _host_pool(self, task: TransferTask) -> np.ndarray:
-        if self.host_segment is None:
+    def _host_pool(self, task: TransferTask) -> list[np.ndarray]:
+        """Every TP rank's host pool, rank order."""
+        if not self.host_segments:
             raise TransferTaskError(f"{task.kind} task {task.task_id} needs the host pool, but this server "
                                     "runs without one (--swap-space 0)")
-        return self.host_segment.array
+        return [segment.array for segment in self.host_segments]
 
     def _storage(self, task: TransferTask) -> KVStorageBackend:
         if self.backend is None:

@@ -30,7 +30,7 @@ from cache_manager.block_pool import BlockPool, DeviceBlock
 from cache_manager.block_state import BlockState
 from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
-from cache_manager.kv_layout import storage_key
+from cache_manager.kv_layout import shard_storage_keys, storage_key
 from cache_manager.prefix_index import PrefixIndex
 from cache_manager.storage_lookup import StorageLookup
 from config.engine_config import CacheConfig
@@ -133,13 +133,16 @@ class TransferPlanner:
                    and self._known_missing.get(h, 0.0) <= now]
         if not unknown:
             return
-        result = self._lookup.lookup([self._key(h) for h in unknown])
+        # A block is stored only if every TP rank's shard is (one object per shard).
+        tp = self.config.tp_size
+        result = self._lookup.lookup([key for h in unknown for key in shard_storage_keys(self._key(h), tp)])
         self.stats.storage_lookups += 1
         self.stats.storage_lookup_seconds += result.seconds
         if result.timed_out:
             self.stats.storage_lookup_timeouts += 1
         expires = now + NEGATIVE_LOOKUP_TTL_S
-        for block_hash, found in zip(unknown, result.exists):
+        exists = [all(result.exists[i * tp:(i + 1) * tp]) for i in range(len(unknown))]
+        for block_hash, found in zip(unknown, exists):
             if found:
                 self._stored.add(block_hash)
                 self._known_missing.pop(block_hash, None)
@@ -279,8 +282,8 @@ class TransferPlanner:
     # ---- tasks ------------------------------------------------------------------------
 
     def _key(self, block_hash: str) -> str:
-        # Tensor parallelism is not implemented, so every object is rank 0's whole block.
-        return storage_key(self.config.model_fingerprint, block_hash, tp_rank=0)
+        # Rank 0's key; the transfer process derives the other ranks' (kv_layout.shard_storage_keys).
+        return storage_key(self.config.model_fingerprint, block_hash, tp_rank=0, tp_size=self.config.tp_size)
 
     def _new_task(self, kind: str, device: list[int], host: list[int] | None = None,
                   keys: list[str] | None = None) -> TransferTask:

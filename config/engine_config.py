@@ -88,7 +88,9 @@ class EngineArgs:
                             help=f"GiB of memory for the KV cache of each DP rank (default: "
                                  f"{DEFAULT_KV_CACHE_SPACE_GIB}; not with --num-gpu-blocks-override)")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                            help="worker ranks per model replica (only 1 is implemented)")
+                            help="worker processes per DP rank, each holding 1/N of the attention heads and MLP "
+                                 "columns (the model's query and KV head counts must divide by N; dense models "
+                                 "only; the cores of the node are split between all workers)")
         parser.add_argument("--num-threads", type=int, default=None,
                             help="compute threads per worker (default: FD_NUM_THREADS, else the available cores "
                                  "split between the DP ranks of this node)")
@@ -172,6 +174,8 @@ class CacheConfig:
     offload_watermark: float = 0.125  # keep this share of device blocks free by swapping out cold cached ones
     # The backend settings, read by the cache transfer process; the manager only needs storage_enabled.
     storage: StorageConfig | None = None
+    # Tensor-parallel ranks holding a shard of every block (one storage object per shard).
+    tp_size: int = 1
 
 
 @dataclass
@@ -290,9 +294,6 @@ def validate_args(args: EngineArgs) -> None:
         raise ConfigError(f"--swap-space must be a number of GiB >= 0, got {args.swap_space}")
     if args.kv_cache_space is not None and args.num_gpu_blocks_override is not None:
         raise ConfigError("--kv-cache-space and --num-gpu-blocks-override both size the KV cache: give one")
-    if args.tensor_parallel_size != 1:
-        raise ConfigError("--tensor-parallel-size > 1 is not implemented yet; the rank plumbing exists "
-                          "(worker tp_rank, per-rank names) but the model is not sharded")
     _validate_storage(args)
     _validate_parallel(args)
 
@@ -321,6 +322,9 @@ def _validate_parallel(args: EngineArgs) -> None:
         if given:
             raise ConfigError(f"{' and '.join(given)} only apply with --enable-expert-parallel "
                               "(the expert-parallel rendezvous)")
+    if args.tensor_parallel_size > 1 and args.enable_expert_parallel:
+        raise ConfigError("--tensor-parallel-size > 1 with --enable-expert-parallel is not supported: "
+                          "tensor parallelism shards dense models only (use one or the other)")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
     if args.data_parallel_size % args.nnodes:
@@ -393,6 +397,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     model_config = _load_model(model_path)
     if args.enable_expert_parallel and model_config.num_experts == 0:
         raise ConfigError(f"--enable-expert-parallel needs a mixture-of-experts model; {model_path!r} is dense")
+    _check_tensor_parallel(model_config, args.tensor_parallel_size)
 
     context = model_config.max_position_embeddings
     max_model_len = args.max_model_len or context
@@ -417,9 +422,9 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
 
     num_cpu_blocks = int(args.swap_space * GIB // per_block)
     _check_memory(args, num_blocks, num_cpu_blocks, per_block)
-    local_ranks = args.data_parallel_size // args.nnodes
-    # Data-parallel ranks on one node split its cores (one compute thread per rank on 2 cores, DP 2).
-    num_threads = args.num_threads or envs.FD_NUM_THREADS or max(1, envs.available_cores() // local_ranks)
+    local_workers = args.data_parallel_size // args.nnodes * args.tensor_parallel_size
+    # Every worker of this node (DP ranks x TP ranks) gets an equal share of its cores.
+    num_threads = args.num_threads or envs.FD_NUM_THREADS or max(1, envs.available_cores() // local_workers)
     instance_id = envs.FD_INSTANCE_ID or f"p{args.port}"
     storage = None
     if args.kvcache_storage_backend is not None:
@@ -446,6 +451,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             write_policy=args.write_policy,
             transfer_timeout_s=envs.FD_KVCACHE_TRANSFER_TIMEOUT,
             storage=storage,
+            tp_size=args.tensor_parallel_size,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -471,6 +477,39 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         num_threads=num_threads,
         instance_id=instance_id,
     )
+
+
+def tensor_parallel_problem(model_config: ModelConfig, tp_size: object) -> str | None:
+    """Why ``model_config`` cannot be split over ``tp_size`` ranks (naming the counts), or None if it can.
+
+    The one place of this rule: ``worker.tensor_parallel.check_tensor_parallel`` raises with this text.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        return f"tensor parallel size must be a positive int, got {tp_size!r}"
+    if tp_size == 1:
+        return None
+    problems = []
+    if model_config.num_attention_heads % tp_size:
+        problems.append(f"{model_config.num_attention_heads} query heads")
+    if model_config.num_key_value_heads % tp_size:
+        problems.append(f"{model_config.num_key_value_heads} KV heads")
+    if model_config.intermediate_size % tp_size:
+        problems.append(f"MLP intermediate size {model_config.intermediate_size}")
+    if problems:
+        return (f"tensor parallel size {tp_size} does not divide the model's {' and '.join(problems)} "
+                f"({model_config.num_attention_heads} query heads, {model_config.num_key_value_heads} KV heads); "
+                "use a size that divides both head counts")
+    num_experts = getattr(model_config, "num_experts", 0) or 0
+    if num_experts > 0:
+        return (f"tensor parallelism of MoE models ({num_experts} experts) is not supported yet; "
+                "use expert parallelism")
+    return None
+
+
+def _check_tensor_parallel(model_config: ModelConfig, tp_size: int) -> None:
+    problem = tensor_parallel_problem(model_config, tp_size)
+    if problem is not None:
+        raise ConfigError(f"--tensor-parallel-size {tp_size}: {problem}")
 
 
 def _ep_port(args: EngineArgs) -> int:

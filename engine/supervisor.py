@@ -5,6 +5,11 @@ a cache transfer heartbeat standing still, KV transfers past their deadline), th
 killing and reaping, removing the shared-memory segments a dead one left behind, and the orderly
 stop. The engine's step loop (``engine_process.Engine``) calls it; what a death means for the
 requests and the prefix cache stays the engine's, reached through ``RecoveryHooks``.
+
+Tensor parallelism: one worker per TP rank (rank 0 talks to the engine and leads the others, see
+``worker.worker_process``) and one cache transfer process for all of them (it moves every rank's
+shard of a block as one unit). A dead worker of any rank takes the whole TP group down: every rank
+is killed and the group restarted together, since the survivors' collectives cannot be re-joined.
 """
 from __future__ import annotations
 
@@ -109,20 +114,23 @@ class WorkerSupervisor:
             self._start_cache_transfers()
 
     def _start_cache_transfers(self) -> None:
+        # One process serves every TP rank's shard (slot 0 of the per-rank signals).
         self._start_ranks(run_cache_transfer, "cache-transfer", self._transfer_args, self.cache_transfers,
                           self.signals.cache_transfer_pid.value, self.signals.cache_transfer_ready.value,
-                          "cache transfer processes")
+                          "cache transfer process", count=1)
 
     def _start_ranks(self, target: Callable[..., None], role: str, args: tuple, procs: list, pids: np.ndarray,
-                     ready: np.ndarray, what: str) -> None:
-        """One process of ``target`` per TP rank, its pid published, then wait until every rank is ready."""
-        for tp_rank in range(self.tp_size):
+                     ready: np.ndarray, what: str, count: int | None = None) -> None:
+        """One process of ``target`` per TP rank (the first ``count``), its pid published, then wait until
+        every one is ready."""
+        count = self.tp_size if count is None else count
+        for tp_rank in range(count):
             proc = self._spawn.Process(target=target, name=f"fdserve-{role}-{tp_rank}",
                                        args=(self.config, tp_rank, *args))
             proc.start()
             pids[tp_rank] = proc.pid
             procs.append(proc)
-        self._wait_ready(ready, what)
+        self._wait_ready(ready[:count], what)
 
     def _wait_ready(self, flags, what: str) -> None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
@@ -201,7 +209,8 @@ class WorkerSupervisor:
                              "giving up)", exc.role)
         if self.config.parallel.enable_expert_parallel and exc.role == "worker":
             raise WorkerDied(f"{exc}; an expert-parallel worker cannot be restarted alone", exc.role)
-        logger.error("%s; restarting it", exc)
+        logger.error("%s; restarting %s", exc, "the TP group (every rank)" if exc.role == "worker" and self.tp_size > 1
+                     else "it")
         if exc.role == "worker":
             self.hooks.fail_running("the worker process died during this request; please retry")
             self._stop_processes(self.cache_transfers)

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from inter_communicator.shm import SharedArray, ipc_name, register_created_semaphore
+from inter_communicator.shm import SharedArray, ipc_name, register_created_semaphore, unlink_segment
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,29 @@ class ShmAllReduceGroup:
         self.close()
 
 
+def unlink_group_objects(instance_id: str, world_size: int, dp_rank: int = 0) -> list[str]:
+    """Unlink a group's segments and semaphores left by a killed creator; returns the names removed.
+
+    The creator of a new group calls it first: whatever exists under these names belongs to a dead
+    predecessor (its ranks were all reaped before the group was restarted).
+    """
+    removed = []
+    for name in (_data_name(instance_id, dp_rank), _head_name(instance_id, dp_rank), _pids_name(instance_id, dp_rank)):
+        if unlink_segment(name):
+            removed.append(name)
+    for src in range(world_size):
+        for dst in range(world_size):
+            if src == dst:
+                continue
+            name = _sem_name(instance_id, dp_rank, src, dst)
+            try:
+                posix_ipc.unlink_semaphore(name)
+                removed.append(name)
+            except posix_ipc.ExistentialError:
+                continue  # absent: nothing stale under this name
+    return removed
+
+
 class ShmAllReduce:
     """One TP rank's handle: ``all_reduce(x)`` returns the float32 sum of every rank's ``x``.
 
@@ -134,6 +157,7 @@ class ShmAllReduce:
 
     def __init__(self, instance_id: str, rank: int, world_size: int, capacity: int, dp_rank: int = 0,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """``timeout_s`` bounds the attach (creator not there yet) and every later wait for a peer."""
         if not 0 <= rank < world_size or world_size < 2:
             raise ValueError(f"rank must be in 0..world_size-1 with world_size >= 2, got {rank} of {world_size}")
         self.rank, self.world_size, self.capacity, self.timeout_s = rank, world_size, capacity, timeout_s

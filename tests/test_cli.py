@@ -84,7 +84,7 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--block-size": (("--block-size", "0"), "at least 1"),
     "--num-gpu-blocks-override": (("--num-gpu-blocks-override", "0"), "at least 1"),
     "--kv-cache-space": (("--kv-cache-space", "0"), "positive"),
-    "--tensor-parallel-size": (("--tensor-parallel-size", "2"), "not implemented"),
+    "--tensor-parallel-size": (("--tensor-parallel-size", "2"), "does not divide the model's 9 query heads"),
     "--num-threads": (("--num-threads", "0"), "at least 1"),
     "--api-key": (("--api-key", ""), "must not be empty"),
     "--enable-prefix-caching": (("--enable-prefix-caching=yes",), "ignored explicit argument"),

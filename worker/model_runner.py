@@ -10,6 +10,9 @@ idle rank contributes so the others' collectives complete. Its KV goes to a priv
 one-block scratch cache, never to the shared pool: appending a block to the shared segment
 would change the strides of the [layers, 2, blocks, ...] layout the cache-transfer process
 maps with ``num_gpu_blocks``.
+With tensor parallelism (``tp_size`` > 1) the model holds this rank's shard, its KV segment holds
+this rank's KV heads of every block, and ``all_reduce`` (the TP group's) sums the partial outputs;
+only rank 0 samples (the LM head is replicated, so its logits are the whole vocabulary).
 Import this module only after the compute-thread variables are set.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import paddle
@@ -57,14 +60,17 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, ep: DataParallelExpertParallel | None = None) -> None:
-        """``ep``: this rank's expert-parallel handle (``worker.expert_parallel``), None without EP."""
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, ep: DataParallelExpertParallel | None = None,
+                 all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None) -> None:
+        """``ep``: this rank's expert-parallel handle (``worker.expert_parallel``), None without EP;
+        ``all_reduce``: the TP group's sum over ranks, needed when ``tensor_parallel_size`` > 1."""
         self.config = config
         self.tp_rank = tp_rank
+        self.tp_size = config.parallel.tensor_parallel_size
         self.block_size = config.cache.block_size
         self.ep = ep
-        self.model = self._load_model()
-        shape = device_cache_shape(config.model, config.cache.num_gpu_blocks, self.block_size)
+        self.model = self._load_model(all_reduce)
+        shape = device_cache_shape(config.model, config.cache.num_gpu_blocks, self.block_size, self.tp_size)
         self.kv_segment = SharedArray(kv_cache_segment_name(config, tp_rank), shape, np.float32, create=True)
         # Touch every page now: the pool's memory is committed at start-up (a full /dev/shm fails here, not
         # mid-request) and serving neither page-faults nor shows first-touch growth as RSS creep.
@@ -80,10 +86,16 @@ class ModelRunner:
                     config.cache.num_gpu_blocks, self.block_size, self.kv_segment.array.nbytes / 2**20,
                     kv_cache_segment_name(config, tp_rank))
 
-    def _load_model(self) -> paddle.nn.Layer:
+    def _load_model(self, all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None) -> paddle.nn.Layer:
         model_config = self.config.model
         model_class = get_model_class(model_config.architecture)
-        model = model_class(model_config) if self.ep is None else model_class(model_config, ep=self.ep)
+        if self.ep is not None:
+            model = model_class(model_config, ep=self.ep)
+        elif self.tp_size > 1:
+            # Every rank reads the whole checkpoint; the model keeps its shard (tensor_parallel.ShardPlan).
+            model = model_class(model_config, tp_rank=self.tp_rank, tp_size=self.tp_size, all_reduce=all_reduce)
+        else:
+            model = model_class(model_config)
         # An expert-parallel rank reads only its own experts' tensors from the checkpoint.
         model.load_weights(load_weights(model_config, keep=model.needs_weight))
         model.eval()

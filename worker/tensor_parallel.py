@@ -14,6 +14,9 @@ and the divisibility checks that refuse a model the split cannot serve:
 - Embedding, norms and the LM head stay replicated in this increment (every rank computes the
   full logits; splitting the vocabulary and gathering logits is left for later).
 
+``TensorParallelGroup`` is the running group of one DP rank's TP workers: the start-up rendezvous,
+rank 0's fan-out of every step to its peers, and the shared-memory all-reduce the model calls.
+
 Weights are taken in Hugging Face ``[out, in]`` layout; ``shard_getter`` wraps a getter so the
 model's ordinary loading code receives the rank's slices.
 """
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import paddle
 
+from config.engine_config import tensor_parallel_problem
 from config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -84,28 +89,9 @@ class ShardPlan:
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """Raise ``TensorParallelError`` naming the counts when ``config`` does not split over ``tp_size``."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise TensorParallelError(f"tensor parallel size must be a positive int, got {tp_size!r}")
-    if tp_size == 1:
-        return
-    problems = []
-    if config.num_attention_heads % tp_size:
-        problems.append(f"{config.num_attention_heads} query heads")
-    if config.num_key_value_heads % tp_size:
-        problems.append(f"{config.num_key_value_heads} KV heads")
-    if config.intermediate_size % tp_size:
-        problems.append(f"MLP intermediate size {config.intermediate_size}")
-    if problems:
-        raise TensorParallelError(
-            f"tensor parallel size {tp_size} does not divide the model's {' and '.join(problems)} "
-            f"({config.num_attention_heads} query heads, {config.num_key_value_heads} KV heads); "
-            f"use a size that divides both head counts"
-        )
-    num_experts = getattr(config, "num_experts", 0) or 0
-    if num_experts > 0:
-        raise TensorParallelError(
-            f"tensor parallelism of MoE models ({num_experts} experts) is not supported yet; use expert parallelism"
-        )
+    problem = tensor_parallel_problem(config, tp_size)
+    if problem is not None:
+        raise TensorParallelError(problem)
 
 
 def shard_plan(config: ModelConfig, tp_rank: int, tp_size: int) -> ShardPlan:
@@ -135,3 +121,165 @@ def paddle_all_reduce(reduce: Callable[[np.ndarray], np.ndarray]) -> Callable[[p
         return paddle.to_tensor(reduce(tensor.numpy()))
 
     return all_reduce
+
+
+# ---- the running group: rendezvous, rank 0's batch fan-out, the all-reduce ---------------------
+
+# How long the ranks wait for each other at start-up (model loading on a busy machine included).
+RENDEZVOUS_TIMEOUT_S = 600.0
+# How long rank 0 may block handing a message to a peer (a live peer takes it at once: ZMQ queues it).
+FAN_OUT_TIMEOUT_MS = 10_000
+_RENDEZVOUS_POLL_MS = 200
+
+
+class TPCommunicationError(RuntimeError):
+    """The TP group is out of step (a peer died, a collective failed or timed out): restart it as one."""
+
+
+@dataclass(frozen=True)
+class TPHello:
+    """Rank 0 -> every peer once at start-up: the all-reduce group exists, attach to it."""
+
+    capacity: int
+
+
+def tp_fan_out_address(batch_addr: str, tp_rank: int) -> str:
+    """Where rank 0 sends TP rank ``tp_rank`` its copy of each step: beside the engine's batch socket."""
+    base = batch_addr[: -len(".sock")] if batch_addr.endswith(".sock") else batch_addr
+    return f"{base}.tp{tp_rank}.sock"
+
+
+class TensorParallelGroup:
+    """One worker's membership of its DP rank's TP group.
+
+    Rank 0 alone talks to the engine; it binds one PUSH socket per peer and forwards every
+    ``StepBatch`` (and the ``WorkerShutdown``) to each, so all ranks run the same steps in the same
+    order. The shared-memory all-reduce group is created by rank 0 in ``connect``, after its model
+    loaded; a peer attaches when rank 0's ``TPHello`` arrives (also after its own load), so nobody
+    meets a collective's timeout while another rank is still loading, and a restarted group never
+    attaches to a dead predecessor's objects. ``connect`` ends with one all-reduce as a barrier.
+    """
+
+    def __init__(self, instance_id: str, dp_rank: int, tp_rank: int, tp_size: int, batch_addr: str,
+                 capacity: int, context, stop_event) -> None:
+        import zmq
+
+        if tp_size < 2:
+            raise TensorParallelError(f"a TP group needs at least 2 ranks, got {tp_size}")
+        self.instance_id, self.dp_rank, self.tp_rank, self.tp_size = instance_id, dp_rank, tp_rank, tp_size
+        self.capacity = capacity
+        self._stop_event = stop_event
+        self._group = None  # rank 0: the ShmAllReduceGroup it created
+        self._handle = None  # every rank: its ShmAllReduce
+        if tp_rank == 0:
+            self._peers = []
+            for rank in range(1, tp_size):
+                sock = context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDTIMEO, FAN_OUT_TIMEOUT_MS)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(tp_fan_out_address(batch_addr, rank))
+                self._peers.append(sock)
+            self._inbox = None
+        else:
+            self._peers = []
+            self._inbox = context.socket(zmq.PULL)
+            self._inbox.setsockopt(zmq.LINGER, 0)
+            self._inbox.connect(tp_fan_out_address(batch_addr, tp_rank))
+
+    @property
+    def connected(self) -> bool:
+        return self._handle is not None
+
+    def connect(self) -> None:
+        """The start-up rendezvous (see the class docstring); raises ``TPCommunicationError`` on timeout."""
+        from inter_communicator.allreduce import ShmAllReduce, ShmAllReduceGroup, unlink_group_objects
+
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        if self.tp_rank == 0:
+            stale = unlink_group_objects(self.instance_id, self.tp_size, self.dp_rank)
+            if stale:
+                logger.info("removed a dead TP group's all-reduce objects: %s", ", ".join(stale))
+            self._group = ShmAllReduceGroup(self.instance_id, self.tp_size, self.capacity, self.dp_rank)
+            for sock in self._peers:
+                self._send_until(sock, TPHello(self.capacity), deadline)
+        else:
+            hello = self._receive_until(deadline)
+            if not isinstance(hello, TPHello):
+                raise TPCommunicationError(f"TP rank {self.tp_rank} expected rank 0's hello, got {hello!r}")
+        self._handle = ShmAllReduce(self.instance_id, self.tp_rank, self.tp_size, self.capacity, self.dp_rank)
+        total = self.all_reduce_numpy(np.ones(1, dtype=np.float32))
+        if int(total[0]) != self.tp_size:
+            raise TPCommunicationError(f"TP barrier summed {total[0]} ranks, expected {self.tp_size}")
+        logger.info("TP group ready: rank %d of %d (shared-memory all-reduce, %d floats per call)",
+                    self.tp_rank, self.tp_size, self.capacity)
+
+    def _send_until(self, sock, message: object, deadline: float) -> None:
+        import zmq
+
+        while True:
+            if self._stop_event.is_set():
+                raise InterruptedError("stopped during the TP rendezvous")
+            if sock.poll(_RENDEZVOUS_POLL_MS, zmq.POLLOUT):
+                sock.send_pyobj(message)
+                return
+            if time.monotonic() > deadline:
+                raise TPCommunicationError(f"a TP peer did not connect within {RENDEZVOUS_TIMEOUT_S:.0f} s")
+
+    def _receive_until(self, deadline: float) -> object:
+        while True:
+            if self._stop_event.is_set():
+                raise InterruptedError("stopped during the TP rendezvous")
+            message = self.receive(_RENDEZVOUS_POLL_MS)
+            if message is not None:
+                return message
+            if time.monotonic() > deadline:
+                raise TPCommunicationError(f"TP rank {self.tp_rank}: no hello from rank 0 within "
+                                           f"{RENDEZVOUS_TIMEOUT_S:.0f} s")
+
+    def fan_out(self, message: object) -> None:
+        """Rank 0: hand ``message`` to every peer (pickled once)."""
+        import pickle
+
+        import zmq
+
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, sock in enumerate(self._peers, start=1):
+            try:
+                sock.send(payload)
+            except zmq.Again as exc:
+                raise TPCommunicationError(f"TP rank {rank} took no message for {FAN_OUT_TIMEOUT_MS} ms "
+                                           "(dead or stuck)") from exc
+
+    def receive(self, timeout_ms: int) -> object | None:
+        """A peer: the next message from rank 0, or None after ``timeout_ms``."""
+        if self._inbox.poll(timeout_ms):
+            return self._inbox.recv_pyobj()
+        return None
+
+    def all_reduce_numpy(self, array: np.ndarray) -> np.ndarray:
+        if self._handle is None:
+            raise TPCommunicationError("the TP group is not connected yet (all-reduce before the rendezvous)")
+        from inter_communicator.allreduce import AllReduceError
+
+        try:
+            return self._handle.all_reduce(array)
+        except AllReduceError as exc:
+            raise TPCommunicationError(str(exc)) from exc
+
+    def all_reduce(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The model's hook: every rank's ``tensor`` summed (rank order, the same bits on every rank)."""
+        return paddle.to_tensor(self.all_reduce_numpy(tensor.numpy()))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        for sock in self._peers:
+            sock.close(linger=0)
+        self._peers = []
+        if self._inbox is not None:
+            self._inbox.close(linger=0)
+            self._inbox = None

@@ -21,6 +21,18 @@ The KV-cache lock stays per DP rank and is held around the forward, also while t
 waits for other ranks inside a collective: no other rank ever waits for this rank's lock,
 and this rank's cache-transfer process waits for nothing across ranks, so there is no cycle.
 The dummy forward touches only private memory and does not take the lock.
+
+Tensor parallelism (``tensor_parallel_size`` N > 1): the N workers of a DP rank step in lockstep
+(``worker.tensor_parallel.TensorParallelGroup``). Only TP rank 0 is connected to the engine: it
+takes the KV-cache lock, forwards the ``StepBatch`` to ranks 1..N-1 over ZMQ, and every rank runs
+the same step (``_group_step``); rank 0 alone samples and answers with the ``StepResult``. The lock
+covers the whole group's use of the KV cache: it is taken before the batch leaves rank 0, and
+rank 0's forward returns only after the last layer's all-reduce, which every peer enters after its
+last KV read and write. With FD_KVCACHE_SANITIZER every rank checks the block states and the ranks
+agree (one all-reduce of the per-sequence flags), so a sequence refused on one rank is refused on
+all. A failure after a rank may have entered a collective ends the worker with
+``EP_FAILURE_EXIT_CODE`` (the engine restarts the whole TP group); the all-reduce's waits are
+bounded and notice a dead peer.
 """
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import zmq
 from tqdm import tqdm
 
@@ -51,6 +64,8 @@ EP_IDLE_POLL_MAX_MS = 50
 EP_FAILURE_EXIT_CODE = EXIT_COLLECTIVE_FAILURE
 # Seconds between a stop (signal, dead parent, the engine's shutdown message) and a forced exit.
 SHUTDOWN_GRACE_S = 15.0
+# Largest TP all-reduce in floats before it is split (16 MiB per rank slot, two buffers).
+MAX_TP_ALLREDUCE_CAPACITY = 4 << 20
 
 
 class Worker:
@@ -65,8 +80,18 @@ class Worker:
         self.stop_event = stop_event if stop_event is not None else threading.Event()
         # Not connected yet: the rendezvous happens in serve(), after every rank loaded its model,
         # so a slow loader never meets a collective's timeout.
+        from worker.tensor_parallel import TensorParallelGroup
+
         self.ep = build_expert_parallel(config) if expert_parallel_enabled(config) else None
-        self.runner = ModelRunner(config, tp_rank, ep=self.ep)
+        self.zmq_context = zmq.Context()
+        self.tp: TensorParallelGroup | None = None
+        tp_size = config.parallel.tensor_parallel_size
+        if tp_size > 1:
+            capacity = min(config.scheduler.max_num_batched_tokens * config.model.hidden_size,
+                           MAX_TP_ALLREDUCE_CAPACITY)
+            self.tp = TensorParallelGroup(config.instance_id, config.parallel.dp_rank, tp_rank, tp_size, batch_addr,
+                                          capacity, self.zmq_context, self.stop_event)
+        self.runner = ModelRunner(config, tp_rank, ep=self.ep, all_reduce=self.tp.all_reduce if self.tp else None)
         self.signals = InstanceSignals(config, create=False)
         # Only TP rank 0 takes the lock: the other ranks would otherwise deadlock in collectives.
         self.kvcache_lock = kvcache_lock_for(config.instance_id, config.parallel.dp_rank, role="worker",
@@ -75,11 +100,14 @@ class Worker:
         self._fault_step = envs.FD_KVCACHE_FAULT_RAISE_IN_STEP
         self.sanitizer = BlockStateSanitizer(self.signals.block_states.value, config.cache.block_size) \
             if envs.FD_KVCACHE_SANITIZER else None
-        self.zmq_context = zmq.Context()
-        self.batch_socket = self.zmq_context.socket(zmq.PULL)
-        self.batch_socket.connect(batch_addr)
-        self.result_socket = self.zmq_context.socket(zmq.PUSH)
-        self.result_socket.connect(result_addr)
+        # Under TP only rank 0 talks to the engine (the others get their steps from it).
+        self.batch_socket: zmq.Socket | None = None
+        self.result_socket: zmq.Socket | None = None
+        if tp_rank == 0:
+            self.batch_socket = self.zmq_context.socket(zmq.PULL)
+            self.batch_socket.connect(batch_addr)
+            self.result_socket = self.zmq_context.socket(zmq.PUSH)
+            self.result_socket.connect(result_addr)
 
     def _sanitize(self, batch: StepBatch) -> tuple[StepBatch, dict[str, str]]:
         """The batch without the sequences the sanitizer refuses, and their error messages."""
@@ -112,10 +140,16 @@ class Worker:
     def serve(self) -> None:
         if self.ep is not None:
             self.ep.group.connect()
+        if self.tp is not None:
+            self.tp.connect()
         self.signals.worker_ready.value[self.tp_rank] = 1
         logger.info("worker ready")
         if self.ep is not None:
             self._serve_lockstep()
+        elif self.tp is not None and self.tp_rank == 0:
+            self._serve_tp_leader()
+        elif self.tp is not None:
+            self._serve_tp_follower()
         else:
             self._serve_single()
 
@@ -131,6 +165,113 @@ class Worker:
                 logger.info("shutdown requested by the engine: %s", message.reason)
                 break
             self.result_socket.send_pyobj(self.execute_model(message))
+
+    # ---- tensor parallelism: rank 0 leads, every rank runs the step ---------------------
+
+    def _serve_tp_leader(self) -> None:
+        """TP rank 0: the engine's batches, forwarded to the peers, run by the whole group."""
+        poller = zmq.Poller()
+        poller.register(self.batch_socket, zmq.POLLIN)
+        try:
+            while not self.stop_event.is_set():
+                self.signals.worker_heartbeat.value[self.tp_rank] = time.time()
+                if not poller.poll(POLL_MS):
+                    continue
+                message = self.batch_socket.recv_pyobj()
+                if isinstance(message, WorkerShutdown):
+                    logger.info("shutdown requested by the engine: %s; stopping the TP group", message.reason)
+                    break
+                self.result_socket.send_pyobj(self._execute_tp_leader(message))
+        finally:
+            self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        from worker.tensor_parallel import TPCommunicationError
+
+        try:
+            self.tp.fan_out(WorkerShutdown("TP rank 0 is stopping"))
+        except TPCommunicationError as exc:  # a peer already gone: the engine stops or restarts it anyway
+            logger.warning("could not tell every TP rank to stop: %s", exc)
+
+    def _execute_tp_leader(self, batch: StepBatch) -> StepResult:
+        """One step of the group under the lock, which covers every rank's use of the KV cache."""
+        from worker.tensor_parallel import TPCommunicationError
+
+        try:
+            with self.kvcache_lock.hold("execute_model"):
+                # Before the fan-out: a step failed here was never seen by the peers.
+                self._maybe_inject_fault()
+                self.tp.fan_out(batch)
+                result = self._group_step(batch)
+            return result
+        except TPCommunicationError:
+            raise
+        except Exception as exc:
+            logger.exception("execute_model failed for step %d", batch.step_id)
+            return failed_step_result(batch, exc, {})
+
+    def _serve_tp_follower(self) -> None:
+        """TP rank > 0: run every step rank 0 forwards until it says stop."""
+        while not self.stop_event.is_set():
+            self.signals.worker_heartbeat.value[self.tp_rank] = time.time()
+            message = self.tp.receive(POLL_MS)
+            if message is None:
+                continue
+            if isinstance(message, WorkerShutdown):
+                logger.info("TP rank 0 asked to stop: %s", message.reason)
+                break
+            self._group_step(message)
+
+    def _group_step(self, batch: StepBatch) -> StepResult | None:
+        """The same step on every TP rank: sanitizer agreement, prepare, forward; rank 0 samples.
+
+        Returns rank 0's result (None on the other ranks). Everything before the forward is the
+        same on every rank (the batch is the same and the sanitizer's answer is agreed), so a
+        failure there fails the step everywhere without a collective; a failure in the forward
+        leaves the ranks out of step and raises ``TPCommunicationError``.
+        """
+        from worker.tensor_parallel import TPCommunicationError
+
+        runnable, violations = self._sanitize_group(batch)
+        if not runnable.seqs:
+            return StepResult(batch.step_id, errors=violations)
+        try:
+            step = self.runner.prepare_step(runnable)
+        except Exception as exc:
+            logger.exception("step %d: could not prepare the batch", batch.step_id)
+            return failed_step_result(runnable, exc, violations)
+        try:
+            hidden = self.runner.forward(step)
+        except TPCommunicationError:
+            raise
+        except Exception as exc:
+            raise TPCommunicationError(f"step {batch.step_id}: the forward failed on TP rank {self.tp_rank} "
+                                       f"({type(exc).__name__}: {exc}); the TP ranks are out of step") from exc
+        if self.tp_rank != 0:
+            return None
+        try:
+            result = self.runner.sample_step(step, hidden)
+        except Exception as exc:  # sampling is local to rank 0
+            logger.exception("step %d: sampling failed", batch.step_id)
+            return failed_step_result(runnable, exc, violations)
+        result.errors.update(violations)
+        return result
+
+    def _sanitize_group(self, batch: StepBatch) -> tuple[StepBatch, dict[str, str]]:
+        """The sanitizer on this rank, then the union over ranks (a collective when the sanitizer is on)."""
+        if self.sanitizer is None or not batch.seqs:
+            return batch, {}
+        violations = self.sanitizer.check(batch)
+        flags = np.asarray([1.0 if s.request_id in violations else 0.0 for s in batch.seqs], dtype=np.float32)
+        agreed = self.tp.all_reduce_numpy(flags)
+        for seq, count in zip(batch.seqs, agreed):
+            if count > 0 and seq.request_id not in violations:
+                violations[seq.request_id] = (f"KV-cache sanitizer: another TP rank refused request {seq.request_id}: "
+                                              "one of its blocks is in a state execute_model must not touch")
+        if violations:
+            batch = StepBatch(batch.step_id, [s for s in batch.seqs if s.request_id not in violations],
+                              batch.block_copies)
+        return batch, violations
 
     # ---- expert parallelism: lockstep stepping ----------------------------------------
 
@@ -219,9 +360,12 @@ class Worker:
     def close(self) -> None:
         if self.ep is not None:
             self.ep.group.close()
+        if self.tp is not None:
+            self.tp.close()
         self.signals.worker_ready.value[self.tp_rank] = 0
-        self.batch_socket.close(linger=0)
-        self.result_socket.close(linger=0)
+        for sock in (self.batch_socket, self.result_socket):
+            if sock is not None:
+                sock.close(linger=0)
         self.zmq_context.term()
         self.runner.close()
         self.signals.close()
@@ -298,6 +442,7 @@ def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr:
         tqdm.set_lock(threading.RLock())
         tune_malloc()
         from worker.expert_parallel import EPCommunicationError  # imports paddle: after the thread variables
+        from worker.tensor_parallel import TPCommunicationError
 
         worker = Worker(config, tp_rank, batch_addr, result_addr, stop_event=entry.stop_event)
         entry.cleanup("close the worker", worker.close)
@@ -305,4 +450,7 @@ def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr:
             worker.serve()
         except EPCommunicationError as exc:
             logger.error("expert-parallel group failed, worker exiting with code %d: %s", EP_FAILURE_EXIT_CODE, exc)
+            entry.fail(EP_FAILURE_EXIT_CODE)
+        except TPCommunicationError as exc:
+            logger.error("tensor-parallel group failed, worker exiting with code %d: %s", EP_FAILURE_EXIT_CODE, exc)
             entry.fail(EP_FAILURE_EXIT_CODE)
