@@ -16,6 +16,8 @@ scrape-time collection of engine-side state, all of it read through the engine c
   from the client's ``cache_stats`` (a control command), bounded by ``FD_METRICS_ENGINE_TIMEOUT``: a
   slow or dead engine never hangs ``/metrics``, the last values received are served instead
   (counters must not drop back to 0) and ``fdserve:engine_query_failures_total`` counts the misses;
+- worker readiness and heartbeat age per DP and TP rank (labels ``dp_rank``, ``tp_rank``) from the
+  client's health snapshot;
 - KV-cache lock wait / hold seconds and acquisitions of every DP rank (label ``dp_rank``) from
   the client's ``kvcache_lock_stats``, when ``FD_USE_KVCACHE_LOCK`` is on.
 
@@ -305,6 +307,24 @@ class EngineStateCollector:
             for rank, count in sorted(engine_restarts().items()):
                 family.add_metric([self._model_name, str(rank)], count)
             yield family
+        yield from self._worker_metrics()
+
+    def _worker_metrics(self) -> Iterable[Metric]:
+        """Readiness and heartbeat age of every worker, by DP and TP rank (from the health snapshot)."""
+        health = getattr(self._engine, "health", None)
+        if health is None:
+            return
+        labels = ["model_name", "dp_rank", "tp_rank"]
+        ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 while the worker of this DP/TP rank is ready.",
+                                  labels=labels)
+        age = GaugeMetricFamily(PREFIX + "worker_heartbeat_age_seconds",
+                                "Seconds since the worker of this DP/TP rank last beat its heartbeat.", labels=labels)
+        for worker in health().get("workers", []):
+            rank_labels = [self._model_name, str(worker.get("dp_rank", 0)), str(worker["rank"])]
+            ready.add_metric(rank_labels, 1 if worker["ready"] else 0)
+            age.add_metric(rank_labels, worker["heartbeat_age_s"])
+        yield ready
+        yield age
 
     def _cache_metrics(self) -> Iterable[Metric]:
         stats = self._cache_stats
