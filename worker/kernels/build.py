@@ -18,6 +18,10 @@ It also owns the CPU-feature helper (``cpu_has``) kernels use to decide whether 
 - Fallback: ``load_extension`` returns None, logging the reason once per extension, when
   ``FD_NATIVE_KERNELS=0``, the compiler is missing, the CPU lacks a required feature or the
   build fails. With ``FD_NATIVE_KERNELS=1`` each of these raises ``NativeKernelUnavailable``.
+- OpenMP: kernels compile with -fopenmp but link Paddle's libiomp5 (``openmp_ldflags``), the runtime
+  its MKL matmuls already run on, so both share one thread pool. libiomp5 lacks gcc's
+  ``GOMP_loop_nonmonotonic_*`` entry points (``omp for schedule(dynamic)``); a library calling them
+  is refused at build time.
 - A library is loaded at most once per process (Paddle registers its operators globally and
   a second registration of the same operators returns a module without them), so results,
   including failures, are memoised per process.
@@ -48,13 +52,15 @@ import envs
 
 logger = logging.getLogger(__name__)
 
-# Flags every kernel is built with: kernels are written as plain loops the compiler vectorises for
-# the host CPU, and parallelised with OpenMP (libpaddle already loads libgomp).
+# Flags every kernel is compiled with: built for the host CPU (the cache key includes its flags) and
+# parallelised with OpenMP.
 BASE_CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
-BASE_LDFLAGS: tuple[str, ...] = ("-fopenmp",)
 # Bound on one build (a cold build of a small kernel takes ~10-30 s on 2 cores); a hung compiler must
 # not hold the cache lock, and with it every other worker, forever.
 BUILD_TIMEOUT_S = 900.0
+# gcc emits these for "omp for schedule(dynamic|guided|runtime)"; libiomp5 has no such entry points, so they
+# would bind to libgomp, a different runtime than the one running the parallel region. Refused at build time.
+_IOMP_MISSING_ENTRY = b"GOMP_loop_nonmonotonic"
 _STAMP = "complete.json"
 _BUILD_LOG = "build.log"
 _LOG_TAIL_CHARS = 2000
@@ -102,6 +108,19 @@ def native_kernels_enabled() -> bool:
     return envs.FD_NATIVE_KERNELS != "0"
 
 
+def openmp_ldflags() -> list[str]:
+    """Link kernels against the OpenMP runtime Paddle's MKL uses (libiomp5, which also serves the GOMP_*
+    entry points gcc emits), so kernels and MKL share one thread pool. With libgomp (-fopenmp) the two
+    runtimes' threads compete for the cores: MKL's keep spinning ~200 ms after each matmul while the
+    kernel's wait for a core. Paddle builds without libiomp5 get libgomp."""
+    import paddle
+
+    libs = Path(paddle.__file__).parent / "libs"
+    if (libs / "libiomp5.so").is_file():
+        return [f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]
+    return ["-fopenmp"]
+
+
 def cache_root() -> Path:
     configured = envs.FD_KERNEL_CACHE_DIR
     return Path(configured) if configured else Path.home() / ".cache" / "fdserve" / "kernels"
@@ -131,7 +150,7 @@ def load_extension(
         return _unavailable(name, "no C++ compiler found (g++ / build-essential)", mode, key="cxx:" + name)
 
     cflags = list(BASE_CFLAGS) + list(extra_cflags)
-    ldflags = list(BASE_LDFLAGS) + list(extra_ldflags)
+    ldflags = openmp_ldflags() + list(extra_ldflags)
     paths = [str(Path(source).resolve()) for source in sources]
     key = _entry_key(name, paths, cflags, ldflags, compiler)
     with _lock:  # threads of one process: one loader at a time (the file lock is per process)
@@ -283,6 +302,10 @@ def _build(name: str, entry: Path, sources: list[str], cflags: list[str], ldflag
     if process.returncode != 0 or not library.is_file():
         tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         raise RuntimeError(f"build failed (exit {process.returncode}, log: {log_path}):\n{tail}")
+    if "-l:libiomp5.so" in ldflags and _IOMP_MISSING_ENTRY in library.read_bytes():
+        raise RuntimeError(f"{name} calls {_IOMP_MISSING_ENTRY.decode()}* (an OpenMP dynamic/guided/runtime "
+                           "schedule), which libiomp5 lacks; distribute the work by hand or use schedule(static) "
+                           "or schedule(monotonic: dynamic)")
     (entry / _STAMP).write_text(json.dumps({"sha256": _sha256(library), "sources": sources,
                                             "cflags": cflags, "ldflags": ldflags}))
 
