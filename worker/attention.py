@@ -10,9 +10,14 @@ Layout (``cache_manager.kv_layout``): per layer a ``(k_cache, v_cache)`` pair, e
 view is ``(block * num_kv_heads + h) * block_size + offset``.
 
 A step's tokens are the concatenation of its sequences' new tokens: decode
-sequences (one new token) first, then prefill chunks. Decodes are batched into one
-gather + two batched matmuls; prefill chunks run one sequence at a time with a
-bottom-right aligned causal mask, so a chunk may follow a cached prefix.
+sequences (one new token) first, then prefill chunks. Two implementations:
+
+- native (``worker/kernels/paged_attention.cc``, used when it builds; FD_NATIVE_KERNELS):
+  one call for the whole step reads K/V blocks in place, flash-attention style (tiled,
+  online softmax, no score matrix over the context), for decodes and prefill chunks alike.
+- Paddle (the fallback, and the reference the native kernel is tested against): decodes
+  are batched into one gather + two batched matmuls; prefill chunks run one sequence at a
+  time with a bottom-right aligned causal mask, so a chunk may follow a cached prefix.
 
 CPU performance notes (Paddle 3.3.1, measured): 4-D transposes of gathered K/V are
 ~100x slower than 3-D ones, and broadcasting element-wise ops are ~10x slower than
@@ -31,6 +36,9 @@ from typing import Any
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from worker.kernels import build as kernel_build
+from worker.kernels import paged_attention as native_attention
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +103,7 @@ class AttentionMetadata:
     decode_block_tables: np.ndarray | None  # [num_decodes, max_decode_blocks] int64, padded with a valid block
     decode_context_lens: np.ndarray | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int64, each row's used prefix is the sequence's table
     # Per-step tensors derived lazily at first use (they need head counts) and reused by every layer.
     _derived: dict[tuple, paddle.Tensor] = field(default_factory=dict, repr=False)
 
@@ -155,6 +164,7 @@ def build_attention_metadata(
         decode_block_tables=decode_tables,
         decode_context_lens=decode_context_lens,
         prefills=prefills,
+        block_tables=_padded_tables(block_tables, context_lens, block_size),
     )
 
 
@@ -194,6 +204,15 @@ def _slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.n
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def _padded_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> np.ndarray:
+    """[S, max_blocks] block ids; entries past a sequence's context are 0 (the native kernel never reads them)."""
+    used = [-(-context_len // block_size) for context_len in context_lens]
+    tables = np.zeros((len(block_tables), max(used)), dtype=np.int64)
+    for row, (table, count) in enumerate(zip(block_tables, used)):
+        tables[row, :count] = table[:count]
+    return tables
+
+
 def _padded_decode_tables(block_tables: list[list[int]], context_lens: np.ndarray, block_size: int) -> np.ndarray:
     """[B, max_blocks] block ids; padding repeats the sequence's first block (real data, masked out later)."""
     num_blocks = -(-int(context_lens.max()) // block_size)
@@ -223,10 +242,12 @@ def paged_attention(
     v_cache: paddle.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    native: bool | None = None,
 ) -> paddle.Tensor:
     """Write the step's k/v ([T, kv_heads, D]) into the cache, then attend q ([T, heads, D]).
 
-    Returns [T, heads * D] in the token order of ``q``.
+    Returns [T, heads * D] in the token order of ``q``. ``native``: None uses the native kernel
+    when it is available (FD_NATIVE_KERNELS), True requires it, False runs the Paddle path.
     """
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     # Row views of the cache ([blocks * kv_heads * block_size, D]): the write and the per-token gathers use them.
@@ -236,6 +257,12 @@ def paged_attention(
     k_rows.scatter_(write_rows, k.reshape([-1, head_dim]), overwrite=True)
     v_rows.scatter_(write_rows, v.reshape([-1, head_dim]), overwrite=True)
 
+    if native is None:
+        native = use_native_kernel()
+    if native:
+        starts, lens, contexts, tables = meta.derived(("native_inputs",), lambda: _native_inputs(meta))
+        return native_attention.paged_attention(q, k_cache, v_cache, tables, starts, lens, contexts, scale)
+
     if scale != 1.0:  # the model may have folded the scale into its Q weights
         q = paddle.scale(q, scale)
     outputs = []
@@ -244,6 +271,19 @@ def paged_attention(
     for chunk in meta.prefills:
         outputs.append(_prefill_attention(q, k, v, k_rows, v_rows, chunk, meta, num_kv_heads))
     return outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
+
+
+def use_native_kernel() -> bool:
+    """True when the native kernel is enabled and built (the build runs on the first call, then is cached)."""
+    return kernel_build.native_kernels_enabled() and native_attention.load() is not None
+
+
+def _native_inputs(meta: AttentionMetadata) -> tuple[paddle.Tensor, ...]:
+    """Per-step int64 inputs of the native kernel, shared by all layers."""
+    lens = np.asarray(meta.query_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    return (paddle.to_tensor(starts), paddle.to_tensor(lens),
+            paddle.to_tensor(np.asarray(meta.context_lens, dtype=np.int64)), paddle.to_tensor(meta.block_tables))
 
 
 def _write_rows(meta: AttentionMetadata, num_kv_heads: int) -> paddle.Tensor:

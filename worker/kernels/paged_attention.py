@@ -1,0 +1,59 @@
+"""Python side of the native paged-attention kernel (``paged_attention.cc``).
+
+Owns loading the operator (through ``build.load_extension``, once per process) and the call
+signature. ``available()`` is False when the kernel cannot be used; callers then keep the
+Paddle path in ``worker.attention``.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import paddle
+
+from worker.kernels import build
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cc")
+_EXTENSION = "fd_paged_attention_ext"
+_module: ModuleType | None = None
+_tried = False
+
+
+def load() -> ModuleType | None:
+    """The extension module, built or taken from the cache on first call; None if unavailable."""
+    global _module, _tried
+    if not _tried:
+        _module = build.load_extension(_EXTENSION, [str(_SOURCE)])
+        _tried = True
+    return _module
+
+
+def available() -> bool:
+    return build.native_kernels_enabled() and load() is not None
+
+
+def paged_attention(
+    q: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    query_starts: paddle.Tensor,
+    query_lens: paddle.Tensor,
+    context_lens: paddle.Tensor,
+    scale: float,
+) -> paddle.Tensor:
+    """Attention of q [T, heads, D] over the paged cache for every sequence of a step; returns [T, heads * D].
+
+    Sequence ``i`` owns q rows ``query_starts[i] .. + query_lens[i]``, its queries sit at the last
+    ``query_lens[i]`` of ``context_lens[i]`` positions (causal, bottom-right aligned) and its keys are
+    in the blocks ``block_tables[i]`` ([S, max_blocks] int64; entries past the context are not read).
+    The step's own K/V must already be in the cache. q is multiplied by ``scale``.
+    """
+    module = load()
+    if module is None:
+        raise build.NativeKernelUnavailable("fd_paged_attention is not available (see the log for why)")
+    return module.fd_paged_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
+                                     float(scale))
