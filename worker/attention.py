@@ -73,6 +73,9 @@ def kv_cache_views(array: np.ndarray) -> list[tuple[paddle.Tensor, paddle.Tensor
         k_cache = paddle.utils.dlpack.from_dlpack(array[layer, 0])
         v_cache = paddle.utils.dlpack.from_dlpack(array[layer, 1])
         views.append((k_cache, v_cache))
+    # The worker maps its cache once, at start-up: building (or loading) the native kernel here keeps a
+    # cold compile (~30 s) out of the first request's step, and FD_NATIVE_KERNELS=1 fails at start.
+    use_native_kernel()
     return views
 
 

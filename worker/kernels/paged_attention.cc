@@ -34,7 +34,8 @@ namespace {
 constexpr int kKeyTile = 16;     // keys per tile: one 512-bit vector of scores per query row
 constexpr int kRowBlock = 4;     // query rows sharing one K-tile load
 constexpr int kQueryTile = 32;   // query tokens per work item (prefill)
-constexpr int kTransposeMinRows = 8;  // query rows (tokens x group) from which a sequence's K is transposed
+constexpr int kTransposeMinRows = 8;
+constexpr int64_t kParallelMinWork = 1 << 18;  // multiply-adds (keys x rows x head_dim) worth a parallel region  // query rows (tokens x group) from which a sequence's K is transposed
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (scores minus their running max), written with arithmetic and bit operations
@@ -436,10 +437,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   // library links Paddle's libiomp5, which lacks the GOMP_loop_nonmonotonic_* entry points gcc emits for
   // dynamic schedules (they would bind to libgomp, a different runtime than the one running the team).
   std::atomic<int64_t> next_item{0};
-#pragma omp parallel
-  {
-    const int64_t thread = omp_get_thread_num();
-    const int64_t threads = omp_get_num_threads();
+  auto work = [&](int64_t thread, int64_t threads) {
 #if defined(__AVX512F__)
     for (int64_t j = thread; j < num_jobs; j += threads) {
       const int64_t seq = transpose_jobs[j].first;
@@ -449,7 +447,9 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                      kt_of(seq, kv_head));
     }
 #endif
+    if (threads > 1) {
 #pragma omp barrier
+    }
     Scratch scratch;
     for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
       const Item& item = items[i];
@@ -460,6 +460,15 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
         default: run_item<0>(p, seqs[item.seq], item, scratch, kt); break;
       }
     }
+  };
+  // Entering a parallel region costs tens of microseconds: small steps (a short decode) run on this thread.
+  int64_t total_cost = 0;
+  for (const Item& item : items) total_cost += item.cost;
+  if (total_cost * p.group * p.head_dim < kParallelMinWork || num_items < 2) {
+    work(0, 1);
+  } else {
+#pragma omp parallel
+    work(omp_get_thread_num(), omp_get_num_threads());
   }
   return {out};
 }
