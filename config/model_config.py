@@ -82,6 +82,9 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    # Linear-layer weights and GEMMs (--dtype): "float32", or "bfloat16" (worker/kernels/gemm.py). Not part of
+    # the weights' fingerprint; engine_config derives the KV cache's fingerprint from both.
+    dtype: str = "float32"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a sparse MoE block (Hugging Face Qwen-MoE rule)."""
@@ -349,7 +352,7 @@ def _fingerprint(config: ModelConfig, files: list[str]) -> str:
     fingerprint, so prefix-cache entries in shared storage stay valid.
     """
     described = asdict(config)
-    for volatile in ("path", "model_fingerprint"):
+    for volatile in ("path", "model_fingerprint", "dtype"):
         described.pop(volatile)
     for name, default in _MOE_FIELD_DEFAULTS.items():
         if described[name] == default:

@@ -4,9 +4,11 @@ This module owns the model's runtime weights (fused and pre-transposed at load) 
 its forward pass over a flattened varlen batch. The KV cache is not the model's: the
 caller passes per-layer cache tensors and the step's ``AttentionMetadata``.
 
-Float32 only; device-agnostic (weights go to paddle's current device). Eager mode on
-purpose: ``to_static`` was measured slower on CPU here. Per-layer Python work is kept
-to straight-line tensor calls because at decode batch 1 each op's overhead matters.
+Float32 by default; ``config.dtype == "bfloat16"`` keeps the linear weights (QKV, o_proj,
+gate_up, down, LM head) in bf16 for the native GEMM (``worker.kernels.gemm``), all else float32.
+Device-agnostic (weights go to paddle's current device). Eager mode on purpose: ``to_static``
+was measured slower on CPU here. Per-layer Python work is kept to straight-line tensor calls
+because at decode batch 1 each op's overhead matters.
 
 Weight layout choices made for CPU GEMM speed (measured on the 2-core EPYC, MKL):
 
@@ -32,6 +34,7 @@ import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.kernels.gemm import PackedBf16, bf16_linear, pack_bf16, require_bf16_gemm
 from worker.tensor_parallel import ShardPlan, shard_plan
 from config.model_config import ModelConfig
 
@@ -101,6 +104,8 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._lm_head: paddle.Tensor | None = None  # [hidden, vocab (+ zero columns, see _pad_columns)]
         self._rope_cos, self._rope_sin = _rope_tables(config)
         self._fused_norm = _fused_rms_norm_available()
+        # --dtype bfloat16: linear weights packed in bf16 for the native GEMM (Bf16Unavailable if it cannot run).
+        self._bf16 = require_bf16_gemm() if config.dtype == "bfloat16" else None
 
     # ------------------------------------------------------------------ weights
 
@@ -138,14 +143,14 @@ class LlamaForCausalLM(paddle.nn.Layer):
         return LayerWeights(
             input_norm=to_weight(get(prefix + "input_layernorm.weight")),
             # Transposed once here so every step runs plain x @ W.
-            qkv=to_weight(qkv.T),
+            qkv=self.linear_weight(qkv.T),
             qkv_bias=to_weight(bias) if bias is not None else None,
             q_norm=to_weight(get(attn + "q_norm.weight")) if config.qk_norm else None,
             k_norm=to_weight(get(attn + "k_norm.weight")) if config.qk_norm else None,
-            o_proj=to_weight(get(attn + "o_proj.weight").T),
+            o_proj=self.linear_weight(get(attn + "o_proj.weight").T),
             post_attention_norm=to_weight(get(prefix + "post_attention_layernorm.weight")),
-            gate_up=to_weight(gate_up) if gate_up is not None else None,
-            down=to_weight(down) if down is not None else None,
+            gate_up=self.linear_weight(gate_up) if gate_up is not None else None,
+            down=self.linear_weight(down) if down is not None else None,
             q_prescaled=fold_scale,
         )
 
@@ -160,7 +165,18 @@ class LlamaForCausalLM(paddle.nn.Layer):
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
         self._embed = to_weight(embed)
         self._final_norm = to_weight(get("model.norm.weight"))
-        self._lm_head = to_weight(_pad_columns(lm_head.T))
+        # The bf16 kernel has no row-aliasing slowdown: its head keeps exactly vocab columns.
+        self._lm_head = pack_bf16(lm_head.T) if self._bf16 is not None else to_weight(_pad_columns(lm_head.T))
+
+    def linear_weight(self, weight: np.ndarray) -> paddle.Tensor | PackedBf16:
+        """An [in, out] linear weight in the model's dtype: a float32 tensor, or bf16 packed for ``linear``."""
+        return pack_bf16(weight) if self._bf16 is not None else to_weight(weight)
+
+    def linear(self, x: paddle.Tensor, weight: paddle.Tensor | PackedBf16) -> paddle.Tensor:
+        """x [T, in] float32 @ weight -> [T, out] float32 (bf16 weights: x rounded to bf16, float32 accumulation)."""
+        if isinstance(weight, PackedBf16):
+            return bf16_linear(self._bf16, x, weight)
+        return paddle.matmul(x, weight)
 
     # ------------------------------------------------------------------ forward
 
@@ -186,7 +202,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches)):
             hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
             attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
-            projected = paddle.matmul(attended, layer.o_proj)
+            projected = self.linear(attended, layer.o_proj)
             if self._all_reduce is not None:
                 projected = self._all_reduce(projected)
             hidden, residual = self._rms_norm(projected, layer.post_attention_norm, residual)
@@ -201,7 +217,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
     def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
         """The MLP of layer ``layer_index`` on normed hidden states [T, hidden]."""
-        return paddle.matmul(F.swiglu(paddle.matmul(hidden, layer.gate_up)), layer.down)
+        return self.linear(F.swiglu(self.linear(hidden, layer.gate_up)), layer.down)
 
     def _check_step(
         self, input_ids: paddle.Tensor, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]], meta: AttentionMetadata
@@ -223,7 +239,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """float32 logits [N, vocab] for already selected hidden rows [N, hidden]."""
-        logits = paddle.matmul(hidden, self._lm_head)
+        logits = self.linear(hidden, self._lm_head)
         vocab = self.config.vocab_size
         # The padded head's extra columns are zeros, not tokens: never let them reach the sampler.
         return logits if logits.shape[1] == vocab else logits[:, :vocab]
@@ -240,7 +256,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
     ) -> paddle.Tensor:
         num_tokens = hidden.shape[0]
         num_rotated = self.num_heads + self.num_kv_heads
-        qkv = paddle.matmul(hidden, layer.qkv)
+        qkv = self.linear(hidden, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         # split (not slicing) so every later op gets contiguous inputs: Paddle materialises strided
