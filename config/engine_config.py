@@ -15,6 +15,7 @@ length, MoE for expert parallelism) and the machine (free /dev/shm for the KV po
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import math
 import os
@@ -30,6 +31,9 @@ GIB = 1 << 30
 DEFAULT_KV_CACHE_SPACE_GIB = 1.0
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 MAX_PORT = 65535
+DTYPES = ("float32", "bfloat16")
+# CPU flags the bfloat16 GEMM kernel runs on (worker/kernels/gemm.py REQUIRED_CPU_FLAGS, not imported: no paddle here).
+_BF16_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 
 
 @dataclass
@@ -62,6 +66,7 @@ class EngineArgs:
     master_addr: str | None = None  # None: DEFAULT_MASTER_ADDR
     master_port: int | None = None
     max_tokens_default: int | None = None
+    dtype: str = "float32"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -87,6 +92,9 @@ class EngineArgs:
         parser.add_argument("--kv-cache-space", type=float, default=None,
                             help=f"GiB of memory for the KV cache of each DP rank (default: "
                                  f"{DEFAULT_KV_CACHE_SPACE_GIB}; not with --num-gpu-blocks-override)")
+        parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                            help="linear-layer weights and GEMMs: float32 (exact), or bfloat16 (half the weight "
+                                 "bytes, float32 accumulation; needs AVX512-BF16 and the native kernel build)")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
                             help="worker processes per DP rank, each holding 1/N of the attention heads and MLP "
                                  "columns (the model's query and KV head counts must divide by N; dense models "
@@ -296,6 +304,21 @@ def validate_args(args: EngineArgs) -> None:
         raise ConfigError("--kv-cache-space and --num-gpu-blocks-override both size the KV cache: give one")
     _validate_storage(args)
     _validate_parallel(args)
+    _validate_dtype(args)
+
+
+def _validate_dtype(args: EngineArgs) -> None:
+    """--dtype: a known name, and bfloat16 only where its native kernel can run (Paddle's CPU matmul has no bf16)."""
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.dtype != "bfloat16":
+        return
+    missing = [flag for flag in _BF16_CPU_FLAGS if flag not in envs.cpu_flags()]
+    if missing:
+        raise ConfigError(f"--dtype bfloat16 needs a CPU with AVX512-BF16 ({', '.join(_BF16_CPU_FLAGS)}); this one "
+                          f"lacks {', '.join(missing)}: use --dtype float32")
+    if envs.FD_NATIVE_KERNELS == "0":
+        raise ConfigError("--dtype bfloat16 runs on a native kernel, which FD_NATIVE_KERNELS=0 turns off")
 
 
 def _validate_storage(args: EngineArgs) -> None:
@@ -395,6 +418,10 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
     model_config = _load_model(model_path)
+    if args.dtype != model_config.dtype:
+        if model_config.num_experts:
+            raise ConfigError(f"--dtype {args.dtype} is implemented for dense models only; {model_path!r} is MoE")
+        model_config = replace(model_config, dtype=args.dtype)
     if args.enable_expert_parallel and model_config.num_experts == 0:
         raise ConfigError(f"--enable-expert-parallel needs a mixture-of-experts model; {model_path!r} is dense")
     _check_tensor_parallel(model_config, args.tensor_parallel_size)
@@ -444,7 +471,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         cache=CacheConfig(
             num_gpu_blocks=num_blocks,
             block_size=args.block_size,
-            model_fingerprint=model_config.model_fingerprint,
+            model_fingerprint=_cache_fingerprint(model_config),
             enable_prefix_caching=args.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
             storage_enabled=storage is not None,
@@ -510,6 +537,14 @@ def _check_tensor_parallel(model_config: ModelConfig, tp_size: int) -> None:
     problem = tensor_parallel_problem(model_config, tp_size)
     if problem is not None:
         raise ConfigError(f"--tensor-parallel-size {tp_size}: {problem}")
+
+
+def _cache_fingerprint(model: ModelConfig) -> str:
+    """The KV cache's identity: the weights' fingerprint, and the dtype when not float32 (other K/V values)."""
+    if model.dtype == "float32":
+        return model.model_fingerprint
+    digest = hashlib.sha256(f"{model.model_fingerprint}:{model.dtype}".encode("utf-8")).hexdigest()
+    return digest[: len(model.model_fingerprint) or 16]
 
 
 def _ep_port(args: EngineArgs) -> int:
