@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +28,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, steps: int, steps_help:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="compute threads (0: FD_NUM_THREADS or all cores)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="linear-layer weights (as the server's --dtype)")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
 
 
@@ -52,6 +54,7 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     from worker.models import get_model_class
 
     config = load_model_config(args.model or default_model_path())
+    config = replace(config, dtype=getattr(args, "dtype", "float32"))
     model = get_model_class(config.architecture)(config)
     model.load_weights(load_weights(config))
     return LoadedModel(model, config, threads)
