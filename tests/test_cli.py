@@ -101,6 +101,7 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--file-backend-storage-dir": (("--file-backend-storage-dir", "/tmp"), "--kvcache-storage-backend file"),
     "--max-tokens-default": (("--max-tokens-default", "0"), "at least 1"),
     "--file-backend-max-bytes": (("--kvcache-storage-backend", "file", "--file-backend-max-bytes", "-1"), ">= 0"),
+    "--dtype": (("--dtype", "float16"), "invalid choice"),
 }
 
 # Further refusals: values of the right type that are still wrong, and combinations.
