@@ -46,7 +46,7 @@ def test_bf16_rounding_is_round_to_nearest_even():
 def test_pack_roundtrip(k, n):
     weight = np.random.default_rng(k + n).standard_normal((k, n)).astype(np.float32)
     packed = gemm.pack_bf16(weight)
-    assert packed.packed.shape == [-(-n // 16), -(-k // 2), 32]
+    assert packed.packed.shape == [-(-n // 64), -(-k // 2), 128]
     np.testing.assert_array_equal(gemm.unpack_bf16(packed), gemm.from_bf16_bits(gemm.to_bf16_bits(weight)))
 
 

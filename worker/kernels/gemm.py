@@ -1,7 +1,7 @@
 """bfloat16-weight linear layers: the packed weight format and the native GEMM operator that reads it.
 
 This module owns ``--dtype bfloat16``'s matmul: weights rounded to bf16 and packed once at load
-(``pack_bf16``: blocks of 16 output columns with the rows interleaved in pairs, the operand layout
+(``pack_bf16``: chunks of 64 output columns with the rows interleaved in pairs, the operand layout
 of AVX512-BF16's ``vdpbf16ps``) and ``bf16_linear``, float32 in and out with float32 accumulation,
 run by the custom operator in ``gemm_bf16.cc``. Paddle 3.3's CPU ``matmul`` has no bfloat16
 kernel, so there is no Paddle fallback: ``require_bf16_gemm`` raises ``Bf16Unavailable`` with the
@@ -25,7 +25,7 @@ _SOURCES = [str(Path(__file__).with_name("gemm_bf16.cc"))]
 _EXTENSION = "fd_gemm_bf16"
 # The kernel's instructions: vdpbf16ps / vcvtneps2bf16 (avx512_bf16) on 512-bit registers.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-BLOCK = 16  # output columns per packed block (gemm_bf16.cc kBlock)
+CHUNK = 64  # output columns per packed chunk (gemm_bf16.cc kBlocks * kBlock); columns are zero-padded to a multiple
 
 
 class Bf16Unavailable(RuntimeError):
@@ -36,7 +36,7 @@ class Bf16Unavailable(RuntimeError):
 class PackedBf16:
     """A [in_features, out_features] weight in bf16, packed for ``bf16_linear``."""
 
-    packed: paddle.Tensor  # int16 view of bf16, [ceil(out / 16), ceil(in / 2), 32]
+    packed: paddle.Tensor  # int16 view of bf16, [ceil(out / 64), ceil(in / 2), 128]
     in_features: int
     out_features: int
 
@@ -76,25 +76,25 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
 
 
 def pack_bf16(weight: np.ndarray) -> PackedBf16:
-    """Round a float32 [in, out] weight to bf16 and pack it (rows paired, 16-column blocks, zero padding)."""
+    """Round a float32 [in, out] weight to bf16 and pack it (rows paired, 64-column chunks, zero padding)."""
     if weight.ndim != 2:
         raise ValueError(f"pack_bf16 takes a 2-D [in, out] weight, got shape {weight.shape}")
     in_features, out_features = weight.shape
     rows = in_features + in_features % 2
-    cols = -(-out_features // BLOCK) * BLOCK
+    cols = -(-out_features // CHUNK) * CHUNK
     padded = np.zeros((rows, cols), dtype=np.uint16)
     padded[:in_features, :out_features] = to_bf16_bits(weight)
-    # [k/2, 2, block, 16] -> [block, k/2, 16, 2]: each 64-byte row of a block is one vdpbf16ps operand.
-    packed = padded.reshape(rows // 2, 2, cols // BLOCK, BLOCK).transpose(2, 0, 3, 1)
-    packed = np.ascontiguousarray(packed).reshape(cols // BLOCK, rows // 2, 2 * BLOCK)
+    # [k/2, 2, chunk, 64] -> [chunk, k/2, 64, 2]: a chunk is one stream over K; 16 columns' pairs = one operand.
+    packed = padded.reshape(rows // 2, 2, cols // CHUNK, CHUNK).transpose(2, 0, 3, 1)
+    packed = np.ascontiguousarray(packed).reshape(cols // CHUNK, rows // 2, 2 * CHUNK)
     return PackedBf16(paddle.to_tensor(packed.view(np.int16)), in_features, out_features)
 
 
 def unpack_bf16(weight: PackedBf16) -> np.ndarray:
     """The float32 [in, out] values a packed weight holds (tests and accuracy checks)."""
-    blocks, pairs, _ = weight.packed.shape
-    packed = weight.packed.numpy().view(np.uint16).reshape(blocks, pairs, BLOCK, 2)
-    plain = packed.transpose(1, 3, 0, 2).reshape(2 * pairs, blocks * BLOCK)
+    chunks, pairs, _ = weight.packed.shape
+    packed = weight.packed.numpy().view(np.uint16).reshape(chunks, pairs, CHUNK, 2)
+    plain = packed.transpose(1, 3, 0, 2).reshape(2 * pairs, chunks * CHUNK)
     return from_bf16_bits(plain[: weight.in_features, : weight.out_features])
 
 

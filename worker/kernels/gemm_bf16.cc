@@ -1,14 +1,15 @@
 // bfloat16-weight linear layer for x86 CPUs with AVX512-BF16: out[M, N] = x[M, K] @ W[K, N].
 //
 // x and out are float32; W is stored in bfloat16 in a packed layout made once at load time
-// (worker/kernels/gemm.py, pack_bf16): blocks of 16 output columns, and inside a block the rows
-// of W taken two at a time and interleaved, so one 64-byte load holds the (k, k+1) pairs of 16
-// columns: packed[block][k / 2][column][k % 2]. That is exactly the operand of vdpbf16ps, which
+// (worker/kernels/gemm.py, pack_bf16): chunks of 64 output columns, and inside a chunk the rows
+// of W taken two at a time and interleaved, so each 64-byte piece holds the (k, k+1) pairs of 16
+// columns: packed[chunk][k / 2][column % 64][k % 2]. A chunk is one sequential stream over K (what
+// the hardware prefetcher follows best), and each 64-byte piece is the operand of vdpbf16ps, which
 // multiplies bf16 pairs and adds both products into a float32 lane: x (rounded to bf16 once per
 // call) contributes a broadcast (x[m, k], x[m, k+1]) pair. Accumulation is float32 throughout.
 //
-// Work split: a register tile is up to kMaxRows rows x kMaxBlocks blocks (64 columns), 16 float32
-// accumulators; OpenMP threads take 64-column chunks of W, and each chunk serves every row tile
+// Work split: a register tile is up to kMaxRows rows x one chunk (4 blocks of 16 columns), 16 float32
+// accumulators; OpenMP threads take chunks of W, and each chunk serves every row tile
 // of x while it is hot in cache. At M = 1 the kernel streams W once (half the bytes of float32).
 #include <immintrin.h>
 #include <omp.h>
@@ -22,8 +23,8 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;   // output columns per packed block: one zmm of float32
-constexpr int kMaxBlocks = 4;    // blocks per register tile
+constexpr int64_t kBlock = 16;   // output columns per zmm of float32
+constexpr int kBlocks = 4;       // blocks per chunk (64 columns): one register tile's width
 constexpr int kMaxRows = 4;      // rows of x per register tile
 
 // Rows of x rounded to bf16 (round to nearest even, as vcvtneps2bf16), as (k, k+1) pairs packed in
@@ -44,64 +45,52 @@ void convert_rows(const float* x, int64_t rows, int64_t k, uint32_t* out, int64_
   }
 }
 
-// One register tile: R rows x B blocks, full K. `w` points at the first block; blocks are
-// `block_stride` uint16 apart. `valid` is the number of real output columns from this tile's start.
-template <int R, int B>
-void tile(const uint32_t* xb, int64_t pairs, const uint16_t* w, int64_t block_stride, float* out,
-          int64_t ldo, int64_t valid) {
+// One register tile: R rows x one chunk, full K. `w` points at the chunk; `valid` is the number of
+// real output columns from the chunk's start (the packed padding columns are never stored).
+template <int R>
+void tile(const uint32_t* xb, int64_t pairs, const uint16_t* w, float* out, int64_t ldo, int64_t valid) {
+  constexpr int B = kBlocks;
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[B];
     for (int b = 0; b < B; ++b)
-      wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + b * block_stride + p * 2 * kBlock));
+      wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + (p * B + b) * 2 * kBlock));
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xb[r * pairs + p])));
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
-  for (int b = 0; b < B; ++b) {
+  for (int b = 0; b < B && b * kBlock < valid; ++b) {
     const int64_t cols = std::min<int64_t>(kBlock, valid - b * kBlock);
     const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFFu : ((1u << cols) - 1u));
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + b * kBlock, mask, acc[r][b]);
   }
 }
 
-using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t);
+using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, float*, int64_t, int64_t);
 
-template <int R>
-TileFn tile_for_blocks(int blocks) {
-  switch (blocks) {
-    case 1: return tile<R, 1>;
-    case 2: return tile<R, 2>;
-    case 3: return tile<R, 3>;
-    default: return tile<R, 4>;
-  }
-}
-
-TileFn tile_for(int rows, int blocks) {
+TileFn tile_for(int rows) {
   switch (rows) {
-    case 1: return tile_for_blocks<1>(blocks);
-    case 2: return tile_for_blocks<2>(blocks);
-    case 3: return tile_for_blocks<3>(blocks);
-    default: return tile_for_blocks<4>(blocks);
+    case 1: return tile<1>;
+    case 2: return tile<2>;
+    case 3: return tile<3>;
+    default: return tile<4>;
   }
 }
 
 void gemm(const uint32_t* xb, int64_t rows, int64_t pairs, const uint16_t* w, int64_t n, float* out) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t block_stride = pairs * 2 * kBlock;
-  const int64_t chunks = (blocks + kMaxBlocks - 1) / kMaxBlocks;
+  const int64_t chunk_cols = kBlocks * kBlock;
+  const int64_t chunks = (n + chunk_cols - 1) / chunk_cols;
+  const int64_t chunk_stride = pairs * 2 * chunk_cols;
 #pragma omp parallel for schedule(static)
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t first_block = chunk * kMaxBlocks;
-    const int nblocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - first_block));
-    const int64_t col = first_block * kBlock;
-    const uint16_t* wchunk = w + first_block * block_stride;
+    const int64_t col = chunk * chunk_cols;
+    const uint16_t* wchunk = w + chunk * chunk_stride;
     for (int64_t m = 0; m < rows; m += kMaxRows) {
       const int nrows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - m));
-      tile_for(nrows, nblocks)(xb + m * pairs, pairs, wchunk, block_stride, out + m * n + col, n, n - col);
+      tile_for(nrows)(xb + m * pairs, pairs, wchunk, out + m * n + col, n, n - col);
     }
   }
 }
@@ -115,8 +104,9 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Te
   const auto& xshape = x.shape();
   const int64_t k = xshape.back();
   const int64_t pairs = (k + 1) / 2;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  PD_CHECK(w.shape().size() == 3 && w.shape()[0] == blocks && w.shape()[1] == pairs && w.shape()[2] == 2 * kBlock,
+  const int64_t chunks = (n + kBlocks * kBlock - 1) / (kBlocks * kBlock);
+  PD_CHECK(w.shape().size() == 3 && w.shape()[0] == chunks && w.shape()[1] == pairs &&
+               w.shape()[2] == 2 * kBlocks * kBlock,
            "fd_bf16_linear: packed weight shape does not match K and N");
   const int64_t rows = x.numel() / std::max<int64_t>(k, 1);
   std::vector<int64_t> out_shape(xshape.begin(), xshape.end());
