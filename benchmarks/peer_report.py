@@ -7,7 +7,7 @@ round) into ``WORK/{server}.ttft.L{length}.r{round}.json``, and ``benchmarks/pee
 per server into ``WORK/{server}.greedy.json``. This prints a markdown table on stderr and the JSON
 report on stdout (and ``--out``). Figures are medians over rounds; ratios are fdserve over the peer:
 ``fdserve_over_peer_tok_s`` >= 1 means fdserve is faster, ``fdserve_over_peer_ttft`` <= 1 means its
-first token comes sooner.
+first token comes sooner. A ``-bf16`` peer is compared with ``fdserve-bf16`` when that was measured.
 
     python benchmarks/peer_report.py serving WORK --servers "fdserve vllm-fp32" --concurrency "1 8 32"
     python benchmarks/peer_report.py ttft WORK --servers "fdserve vllm-fp32" --lengths "512 1024"
@@ -26,6 +26,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 BASELINE = "fdserve"
+BASELINE_BF16 = "fdserve-bf16"
 
 
 def _load_runs(pattern: str) -> list[dict]:
@@ -58,15 +59,22 @@ def serving_cell(runs: list[dict]) -> dict[str, Any]:
     }
 
 
+def _baseline_of(server: str, servers: list[str]) -> str:
+    """The fdserve variant a peer is compared with: fdserve-bf16 for a bf16 peer when it was measured."""
+    if server.endswith("-bf16") and BASELINE_BF16 in servers:
+        return BASELINE_BF16
+    return BASELINE
+
+
 def serving_table(work: str, servers: list[str], concurrency: list[int]) -> list[dict]:
     rows = []
     for c in concurrency:
         row: dict[str, Any] = {"concurrency": c}
         for server in servers:
             row[server] = serving_cell(_load_runs(os.path.join(work, f"{server}.c{c}.r*.json")))
-        base = row.get(BASELINE)
         for server in servers:
-            if base is not None and server != BASELINE:
+            base = row.get(_baseline_of(server, servers))
+            if base is not None and not server.startswith(BASELINE):
                 row[server]["fdserve_over_peer_tok_s"] = _ratio(base["tok_s"], row[server]["tok_s"])
                 row[server]["fdserve_over_peer_ttft"] = _ratio(base["ttft_p50_ms"], row[server]["ttft_p50_ms"])
         rows.append(row)
@@ -143,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     servers = args.servers.split()
-    report: dict[str, Any] = {"setup": json.loads(args.setup)}
+    report: dict[str, Any] = {"setup": json.loads(args.setup),
+                              "ratios": "fdserve over peer; a -bf16 peer is compared with fdserve-bf16 if measured"}
     if args.mode == "serving":
         rows = serving_table(args.work, servers, [int(c) for c in args.concurrency.split()])
         report["greedy_matches_reference"] = greedy_summary(args.work, servers)

@@ -10,6 +10,8 @@
 # --build-only). Then ONE server at a time (start, measure, stop), in an order that is reversed
 # every other round, so that load from other processes on a shared machine hits all alike.
 #
+# Servers: fdserve (launch.py --dtype float32), fdserve-bf16 (--dtype bfloat16, not in the default list),
+#   vllm-fp32, vllm-bf16, llamacpp (the package's Q4_1 GGUF, -np 32).
 #   --mode serving (default): per server, benchmarks/serving.py at each concurrency (64 streamed
 #     completions of --output-len tokens with ignore_eos, --c1-requests at c=1, random prompts of
 #     --input-len tokens), plus a greedy check of the 6 reference prompts (peer_greedy.py);
@@ -77,7 +79,7 @@ while [[ $# -gt 0 ]]; do
         --install-only) INSTALL_ONLY=1; shift ;;
         --skip-check) SKIP_CHECK=1; shift ;;
         --vllm-preload) VLLM_PRELOAD=1; shift ;;
-        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -88,8 +90,8 @@ case "$MODE" in
 esac
 for server in $SERVERS; do
     case "$server" in
-        fdserve|vllm-fp32|vllm-bf16|llamacpp) ;;
-        *) echo "unknown server $server (fdserve, vllm-fp32, vllm-bf16, llamacpp)" >&2; exit 2 ;;
+        fdserve|fdserve-bf16|vllm-fp32|vllm-bf16|llamacpp) ;;
+        *) echo "unknown server $server (fdserve, fdserve-bf16, vllm-fp32, vllm-bf16, llamacpp)" >&2; exit 2 ;;
     esac
 done
 [[ "$MODE" == ttft && " $SERVERS " == *" llamacpp "* ]] && { echo "--mode ttft: llamacpp is not supported" >&2; exit 2; }
@@ -202,10 +204,13 @@ start_server() {  # name port; sets SERVER_PID. setsid: each server leads its ow
     local name="$1" port="$2" prefix_flag=()
     local max_seqs=$(( NUM_REQUESTS > 64 ? NUM_REQUESTS : 64 ))
     case "$name" in
-        fdserve)
-            [[ "$MODE" == ttft ]] && prefix_flag=(--no-enable-prefix-caching)
+        fdserve|fdserve-bf16)
+            local fd_args=(--dtype float32)
+            [[ "$name" == fdserve-bf16 ]] && fd_args=(--dtype bfloat16)
+            # As benchmarks/ttft_by_length.py: no prefix reuse and room for the longest prompt.
+            [[ "$MODE" == ttft ]] && fd_args+=(--no-enable-prefix-caching --max-model-len 8192)
             (cd "$REPO_ROOT" && exec setsid "$PYTHON" launch.py --host 127.0.0.1 --port "$port" \
-                --num-threads "$THREADS" --max-num-seqs "$max_seqs" "${prefix_flag[@]}") \
+                --num-threads "$THREADS" --max-num-seqs "$max_seqs" "${fd_args[@]}") \
                 >"$WORK_DIR/$name.log" 2>&1 &
             ;;
         vllm-fp32|vllm-bf16)
