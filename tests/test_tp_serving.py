@@ -171,8 +171,8 @@ def test_tiny_tp2_early_schedule_race_sanitizer_and_lock(tiny_model, tmp_path) -
     """FD_KVCACHE_FAULT_EARLY_SCHEDULE at TP=2: flagged without the lock, correct with it."""
     from tests.test_kvcache_race import FAULT, SLOW_FILL_S, reload_from_storage
 
-    race_args = ("--model", tiny_model, "--tensor-parallel-size", "2", "--block-size", "2", "--num-gpu-blocks-override", "512",
-                 "--kvcache-storage-backend", "file")
+    race_args = ("--model", tiny_model, "--tensor-parallel-size", "2", "--block-size", "2",
+                 "--num-gpu-blocks-override", "512", "--kvcache-storage-backend", "file")
     env = {**FAULT, "FD_KVCACHE_SANITIZER": "1", "FD_USE_KVCACHE_LOCK": "0"}
     with ServerProcess(*race_args, "--file-backend-storage-dir", str(tmp_path / "a"), env=env) as server:
         second, _, _ = reload_from_storage(server)

@@ -433,7 +433,8 @@ def tune_malloc() -> None:
 
 
 def run_worker(config: EngineConfig, tp_rank: int, batch_addr: str, result_addr: str) -> None:
-    """Process entry point (multiprocessing spawn target); exits with ``EP_FAILURE_EXIT_CODE`` if the EP group failed."""
+    """Process entry point (multiprocessing spawn target); exits with ``EP_FAILURE_EXIT_CODE`` if the EP or TP
+    group failed."""
     parallel = config.parallel
     role = "worker" if parallel.data_parallel_size == 1 else f"worker.dp{parallel.dp_rank}"
     with ProcessEntry(role, tp_rank, grace_s=SHUTDOWN_GRACE_S, setup_logging=setup_logging) as entry:
