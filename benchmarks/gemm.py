@@ -13,9 +13,10 @@ alternating the variants round by round:
 - ``fd_bf16``: the ``fd_bf16_linear`` custom operator (worker/kernels/gemm_bf16.cc) on packed weights,
   what ``--dtype bfloat16`` runs (x converted to bf16 inside, float32 output).
 
-``--int8`` adds, at M = 1 only, oneDNN's integer GEMMs ``dnnl_gemm_u8s8s32`` and ``dnnl_gemm_s8s8s32``
-(int32 output; the scale/dequantisation an int8 mode would add is not included) for the weight-read
-bound of an 8-bit weight mode.
+``--int8`` adds ``fd_int8`` at every M, the experimental ``fd_int8_linear`` operator (worker/kernels/gemm_int8.cc:
+int8 weights per output column, x quantised per row inside, AVX512-VNNI ``vpdpbusd``, float32 output), and at
+M = 1 oneDNN's integer GEMMs ``dnnl_gemm_u8s8s32`` and ``dnnl_gemm_s8s8s32`` (int32 output, no
+quantisation or scaling included): the weight-read bound of an 8-bit weight mode.
 
 oneDNN's matmul primitive (pre-packed weights, per-shape primitive cache) is not measured: Paddle's
 wheel ships ``libdnnl.so.3`` (oneDNN 3.6) but not its real headers (the shipped ``dnnl.h`` includes
@@ -93,7 +94,9 @@ def _onednn_library() -> ctypes.CDLL:
     return library
 
 
-def _variants(rows: int, k: int, n: int, onednn: ctypes.CDLL, bf16: Any, int8: bool) -> dict[str, Callable[[], Any]]:
+def _variants(
+    rows: int, k: int, n: int, onednn: ctypes.CDLL, bf16: Any, int8: Any
+) -> dict[str, Callable[[], Any]]:
     """Name -> zero-argument call, each computing [rows, k] x [k, n] on the same data."""
     import numpy as np
     import paddle
@@ -125,7 +128,10 @@ def _variants(rows: int, k: int, n: int, onednn: ctypes.CDLL, bf16: Any, int8: b
                                                          n, 0.0, out.ctypes.data, n)
     variants["onednn_bf16"] = lambda: onednn.dnnl_gemm_bf16bf16f32(b"N", b"N", rows, n, k, 1.0, x_bits.ctypes.data,
                                                                    k, w_bits.ctypes.data, n, 0.0, out.ctypes.data, n)
-    if int8 and rows == 1:
+    if int8 is not None and int8 is not False:
+        packed_int8 = gemm.pack_int8(w)
+        variants["fd_int8"] = lambda: gemm.int8_linear(int8, x_t, packed_int8)
+    if int8 is not False and rows == 1:
         x_u8 = rng.integers(0, 255, size=(rows, k), dtype=np.uint8)
         x_s8 = rng.integers(-127, 127, size=(rows, k), dtype=np.int8)
         w_s8 = rng.integers(-127, 127, size=(k, n), dtype=np.int8)
@@ -164,13 +170,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from worker.kernels import gemm
 
     bf16 = gemm.bf16_gemm_module()
+    # --int8: the experimental fd_int8_linear module (None where it cannot run: the oneDNN int8 GEMMs still run).
+    int8 = gemm.int8_gemm_module() if args.int8 else False
     onednn = _onednn_library()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     results = []
     for shape in args.shapes:
         k, n = SHAPES[shape]
         for rows in args.m:
-            variants = _variants(rows, k, n, onednn, bf16, args.int8)
+            variants = _variants(rows, k, n, onednn, bf16, int8)
             timings = time_variants(variants, args.rounds, args.reps, clock)
             logger.info("%s M=%d: %s", shape, rows, timings)
             ratios = {name: round(timings["paddle_fp32"] / value, 2) for name, value in timings.items()}

@@ -132,6 +132,27 @@ def test_tiny_model_bf16_close_to_float32(kernel, tmp_path):
     assert 0 < error < 0.05 * scale, (error, scale)
 
 
+@pytest.mark.skipif(not all(flag in envs.cpu_flags() for flag in gemm.INT8_CPU_FLAGS), reason="CPU lacks VNNI")
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 7, 17), (9, 1552, 576)])
+def test_experimental_int8_gemm_matches_numpy(m, k, n):
+    """fd_int8_linear (benchmark-only so far) against numpy on the same quantised values."""
+    import paddle
+
+    module = gemm.int8_gemm_module()
+    if module is None:
+        pytest.skip("the int8 kernel did not build here")
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    out = gemm.int8_linear(module, paddle.to_tensor(x), gemm.pack_int8(w)).numpy()
+    # Reference: the same per-column weight and per-row activation quantisation, in float64.
+    w_scale = np.abs(w).max(axis=0) / 127.0
+    x_scale = np.abs(x).max(axis=1, keepdims=True) / 127.0
+    expected = (np.rint(x / x_scale) * x_scale) @ (np.rint(w / w_scale) * w_scale)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert np.abs(out - x @ w).max() < 0.03 * np.abs(x @ w).max()
+
+
 # ------------------------------------------------------------------ refusals
 
 

@@ -101,3 +101,51 @@ def unpack_bf16(weight: PackedBf16) -> np.ndarray:
 def bf16_linear(module: ModuleType, x: paddle.Tensor, weight: PackedBf16) -> paddle.Tensor:
     """x [..., in] float32 @ weight -> [..., out] float32 (x rounded to bf16, float32 accumulation)."""
     return module.fd_bf16_linear(x, weight.packed, weight.out_features)
+
+
+# --------------------------------------------------------------------------- int8 (experimental)
+# Not used by the model: measured by benchmarks/gemm.py --int8 as the path toward an 8-bit weight mode.
+
+_INT8_SOURCES = [str(Path(__file__).with_name("gemm_int8.cc"))]
+_INT8_EXTENSION = "fd_gemm_int8"
+INT8_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+
+
+@dataclass
+class PackedInt8:
+    """A [in_features, out_features] weight quantised per output column to int8, packed for ``int8_linear``."""
+
+    packed: paddle.Tensor  # int8 [ceil(out / 64), ceil(in / 4), 256]
+    scales: paddle.Tensor  # float32 [padded out]: column max |w| / 127
+    column_sums: paddle.Tensor  # int32 [padded out]: sum of the column's int8 values (undoes the +128 shift of x)
+    in_features: int
+    out_features: int
+
+
+def int8_gemm_module() -> ModuleType | None:
+    """The experimental int8 operator module, or None where the CPU lacks VNNI or the build fails."""
+    if not cpu_has(*INT8_CPU_FLAGS):
+        return None
+    return load_extension(_INT8_EXTENSION, _INT8_SOURCES, required_cpu_flags=INT8_CPU_FLAGS)
+
+
+def pack_int8(weight: np.ndarray) -> PackedInt8:
+    """Quantise a float32 [in, out] weight per column (symmetric, 127 levels) and pack it (rows in quads)."""
+    in_features, out_features = weight.shape
+    rows = -(-in_features // 4) * 4
+    cols = -(-out_features // CHUNK) * CHUNK
+    peak = np.abs(weight).max(axis=0)
+    scales = np.ones(cols, dtype=np.float32)
+    scales[:out_features] = np.where(peak > 0, peak / 127.0, 1.0)
+    quantised = np.zeros((rows, cols), dtype=np.int8)
+    quantised[:in_features, :out_features] = np.rint(weight / scales[:out_features]).astype(np.int8)
+    sums = quantised.astype(np.int32).sum(axis=0).astype(np.int32)
+    packed = quantised.reshape(rows // 4, 4, cols // CHUNK, CHUNK).transpose(2, 0, 3, 1)
+    packed = np.ascontiguousarray(packed).reshape(cols // CHUNK, rows // 4, 4 * CHUNK)
+    return PackedInt8(paddle.to_tensor(packed), paddle.to_tensor(scales), paddle.to_tensor(sums),
+                      in_features, out_features)
+
+
+def int8_linear(module: ModuleType, x: paddle.Tensor, weight: PackedInt8) -> paddle.Tensor:
+    """x [..., in] float32 @ weight -> [..., out] float32 (x quantised per row to 8 bits inside)."""
+    return module.fd_int8_linear(x, weight.packed, weight.scales, weight.column_sums, weight.out_features)
