@@ -9,6 +9,11 @@ alike; the report has the median TTFT per variant and length and the ratio to th
 
     python benchmarks/ttft_by_length.py [--lengths "512 1024 2048 4096 7680"] [--requests 2] [--rounds 1]
         [--variants "paddle:FD_NATIVE_KERNELS=0 native:FD_NATIVE_KERNELS=1"] [--out ttft.json]
+
+``--in-process`` measures the same prefills without a server (what TTFT is made of on an idle server):
+the model forward over the prompt in chunks of ``--chunk`` tokens (the server's default
+--max-num-batched-tokens), plus the LM head on the last row, per variant alternating within each
+length, reporting wall time and process CPU time (less sensitive to other jobs time-slicing the cores).
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", default="paddle:FD_NATIVE_KERNELS=0 native:FD_NATIVE_KERNELS=1",
                         help="space-separated name:VAR=value[,VAR=value] entries")
     parser.add_argument("--server-args", default="", help="extra launch.py arguments")
+    parser.add_argument("--in-process", action="store_true", help="time the model's chunked prefill, no server")
+    parser.add_argument("--chunk", type=int, default=512, help="--in-process: prefill tokens per step")
+    parser.add_argument("--threads", type=int, default=0, help="--in-process: compute threads (0: all cores)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -117,10 +125,75 @@ def measure(name: str, env: dict[str, str], args: argparse.Namespace, lengths: l
             stop(process)
 
 
+def in_process(args: argparse.Namespace, lengths: list[int], variants: list[tuple[str, dict[str, str]]]) -> dict:
+    """Chunked prefill of each length per variant (environment applied in-process: envs reads lazily)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    from model_setup import contiguous_cache, load_model
+
+    loaded = load_model(argparse.Namespace(model=None, threads=args.threads))
+    import numpy as np
+    import paddle
+
+    from worker.attention import build_attention_metadata
+
+    block_size = 64
+    kv_caches, tables = contiguous_cache(loaded.config, 1, max(lengths), block_size)
+    rng = np.random.default_rng(0)
+
+    def prefill(ids: np.ndarray) -> None:
+        for start in range(0, len(ids), args.chunk):
+            chunk = ids[start: start + args.chunk]
+            meta = build_attention_metadata([len(chunk)], [start + len(chunk)], [tables[0]], block_size)
+            hidden = loaded.model(paddle.to_tensor(chunk), meta.positions, kv_caches, meta)
+            loaded.model.compute_logits(paddle.index_select(hidden, meta.last_token_indices)).numpy()
+
+    saved = {name: os.environ.get(name) for _, env in variants for name in env}
+    rows: dict[str, dict[str, dict[str, float]]] = {name: {} for name, _ in variants}
+    try:
+        with paddle.no_grad():
+            prefill(rng.integers(0, loaded.config.vocab_size, size=min(lengths), dtype=np.int64))  # warm-up
+            for length in lengths:
+                ids = rng.integers(0, loaded.config.vocab_size, size=length, dtype=np.int64)
+                walls: dict[str, list[float]] = {name: [] for name, _ in variants}
+                cpus: dict[str, list[float]] = {name: [] for name, _ in variants}
+                for round_index in range(args.rounds):
+                    order = variants if round_index % 2 == 0 else list(reversed(variants))
+                    for name, env in order:
+                        os.environ.update(env)
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        prefill(ids)
+                        walls[name].append(time.perf_counter() - wall)
+                        cpus[name].append(time.process_time() - cpu)
+                for name, _ in variants:
+                    rows[name][str(length)] = {"wall_s": round(statistics.median(walls[name]), 3),
+                                               "cpu_s": round(statistics.median(cpus[name]), 3)}
+                print(f"{length} tokens: " + ", ".join(f"{name} {rows[name][str(length)]}" for name, _ in variants),
+                      file=sys.stderr)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    first = variants[0][0]
+    ratios = {name: {length: round(rows[first][length]["wall_s"] / row["wall_s"], 2) for length, row in per.items()}
+              for name, per in rows.items() if name != first}
+    return {"mode": "in-process chunked prefill", "chunk": args.chunk, "threads": loaded.threads,
+            "lengths": lengths, "rounds": args.rounds, "variants": {name: env for name, env in variants},
+            "prefill": rows, f"wall_speedup_vs_{first}": ratios}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     lengths = [int(value) for value in args.lengths.split()]
     variants = parse_variants(args.variants)
+    if args.in_process:
+        report = in_process(args, lengths, variants)
+        print(json.dumps(report, indent=1))
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as handle:
+                json.dump(report, handle, indent=1)
+        return report
     samples: dict[str, dict[int, list[float]]] = {name: {length: [] for length in lengths} for name, _ in variants}
     log_dir = tempfile.mkdtemp(prefix="fdserve-ttft-")
     for round_index in range(args.rounds):

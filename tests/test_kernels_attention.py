@@ -25,6 +25,8 @@ TOLERANCE = 1e-5
 def kernel():
     if envs.FD_NATIVE_KERNELS == "0":
         pytest.skip("FD_NATIVE_KERNELS=0")
+    if build._compiler() is None:
+        pytest.skip("no C++ compiler: the Paddle fallback is what runs here (tests/test_kernels_build.py covers it)")
     module = native.load()
     if module is None:
         pytest.fail(f"native paged attention did not build: {build.last_build('fd_paged_attention_ext')}")
