@@ -95,6 +95,7 @@ def built_cache(concurrent_loads) -> tuple[Path, dict]:
     return cache_dir, (compiled[0] if compiled else results[0])
 
 
+@pytest.mark.integration  # spawns compiler / loader processes
 def test_processes_starting_together_compile_once(concurrent_loads):
     _cache_dir, results = concurrent_loads
     assert sorted(result["compiled"] for result in results) == [False, True], results
@@ -114,6 +115,7 @@ def build_module(monkeypatch, tmp_path):
     return build
 
 
+@pytest.mark.integration  # spawns compiler / loader processes
 def test_cold_build_runs_the_op(built_cache):
     _cache_dir, first = built_cache
     assert first["reason"] is None
@@ -122,6 +124,7 @@ def test_cold_build_runs_the_op(built_cache):
     assert (Path(first["entry"]) / "complete.json").is_file()
 
 
+@pytest.mark.integration  # spawns compiler / loader processes
 def test_second_process_loads_from_the_cache_without_compiling(built_cache, source):
     cache_dir, first = built_cache
     second = _child_load(source, cache_dir)
@@ -131,6 +134,7 @@ def test_second_process_loads_from_the_cache_without_compiling(built_cache, sour
     assert second["seconds"] < first["seconds"]
 
 
+@pytest.mark.integration  # spawns compiler / loader processes
 def test_corrupt_cache_entry_is_rebuilt(built_cache, source, tmp_path):
     cache_dir, first = built_cache
     own_cache = tmp_path / "cache"
@@ -193,6 +197,7 @@ def test_missing_cpu_feature_returns_none(build_module, source, caplog):
     assert "no_such_isa" in _fallback_records(caplog)[0].getMessage()
 
 
+@pytest.mark.integration  # spawns compiler / loader processes
 def test_build_error_returns_none_with_the_compiler_message(build_module, tmp_path, caplog):
     broken = tmp_path / "broken.cc"
     broken.write_text('#include "paddle/extension.h"\nthis is not C++;\n')
