@@ -99,8 +99,10 @@ def test_scale_one_with_prescaled_queries():
 def test_fallback_when_disabled(monkeypatch):
     monkeypatch.setenv("FD_NATIVE_KERNELS", "0")
     assert attention.use_native_kernel() is False
+    assert native.load() is None
     monkeypatch.setenv("FD_NATIVE_KERNELS", "auto")
     assert attention.use_native_kernel() is True
+    assert native.load() is not None
 
 
 def test_bad_block_id_is_an_error_not_a_crash():

@@ -243,7 +243,7 @@ def _load_or_build(name: str, key: str, sources: list[str], cflags: list[str], l
                 _build(name, entry, sources, cflags, ldflags)
                 compiled = True
             module = _import(name, entry)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+    except (OSError, ImportError, RuntimeError, subprocess.SubprocessError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         return _unavailable(name, reason, envs.FD_NATIVE_KERNELS, key=f"build:{key}")
     seconds = time.perf_counter() - started

@@ -25,6 +25,8 @@ _tried = False
 def load() -> ModuleType | None:
     """The extension module, built or taken from the cache on first call; None if unavailable."""
     global _module, _tried
+    if not build.native_kernels_enabled():
+        return None  # not remembered: FD_NATIVE_KERNELS may be switched back on in this process (benchmarks)
     if not _tried:
         _module = build.load_extension(_EXTENSION, [str(_SOURCE)])
         _tried = True
