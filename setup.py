@@ -24,6 +24,8 @@ setup(
         "inter_communicator",
     ],
     py_modules=["envs", "launch"],
+    # The native kernels are compiled from these sources on first use (worker/kernels/build.py).
+    package_data={"worker.kernels": ["*.cc", "*.h"]},
     install_requires=[
         "paddlepaddle>=3.0",
         "numpy",
