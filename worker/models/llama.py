@@ -34,6 +34,7 @@ import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.kernels import fused_ops
 from worker.kernels.gemm import PackedBf16, bf16_linear, pack_bf16, require_bf16_gemm
 from worker.tensor_parallel import ShardPlan, shard_plan
 from config.model_config import ModelConfig
@@ -104,6 +105,8 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._lm_head: paddle.Tensor | None = None  # [hidden, vocab (+ zero columns, see _pad_columns)]
         self._rope_cos, self._rope_sin = _rope_tables(config)
         self._fused_norm = _fused_rms_norm_available()
+        # Native residual-add + RMSNorm and SwiGLU (worker/kernels/fused_ops.cc) when they build; else Paddle's ops.
+        self.native_fused = paddle.get_device() == "cpu" and fused_ops.available()
         # --dtype bfloat16: linear weights packed in bf16 for the native GEMM (Bf16Unavailable if it cannot run).
         self._bf16 = require_bf16_gemm() if config.dtype == "bfloat16" else None
 
@@ -217,7 +220,13 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
     def mlp(self, layer_index: int, hidden: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
         """The MLP of layer ``layer_index`` on normed hidden states [T, hidden]."""
-        return self.linear(F.swiglu(self.linear(hidden, layer.gate_up)), layer.down)
+        return self.linear(self._swiglu(self.linear(hidden, layer.gate_up)), layer.down)
+
+    def _swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
+        """silu(gate) * up over the gate | up halves of [T, 2 * I']."""
+        if self.native_fused:
+            return fused_ops.silu_and_mul(gate_up)
+        return F.swiglu(gate_up)
 
     def _check_step(
         self, input_ids: paddle.Tensor, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]], meta: AttentionMetadata
@@ -282,6 +291,10 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self, x: paddle.Tensor, weight: paddle.Tensor, residual: paddle.Tensor | None
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(norm(x + residual) * weight, x + residual); the sum becomes the next residual."""
+        if self.native_fused:
+            if residual is None:
+                return fused_ops.rms_norm(x, weight, self.eps), x
+            return fused_ops.fused_add_rms_norm(x, residual, weight, self.eps)
         if self._fused_norm:
             if residual is None:
                 # Without a residual the kernel leaves its second output unallocated.
@@ -292,6 +305,8 @@ class LlamaForCausalLM(paddle.nn.Layer):
 
     def _head_rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         """RMSNorm over head_dim of [T, heads, head_dim] (Qwen3 q_norm / k_norm)."""
+        if self.native_fused:
+            return fused_ops.rms_norm(x, weight, self.eps)
         if self._fused_norm:
             return incubate_F.fused_rms_norm(x, weight, None, self.eps, 2)[0]
         return _plain_rms_norm(x, weight, self.eps)
