@@ -119,7 +119,7 @@ def hooks_installed(clock: StepClock) -> Iterator[None]:
 
     patched: list[tuple[Any, str, Any]] = []
     for module, part in ((llama_module, "model"), (attention_module, "attention")):
-        for name in ("paddle", "F", "incubate_F", "native_attention"):
+        for name in ("paddle", "F", "incubate_F", "native_attention", "fused_ops"):
             if hasattr(module, name):
                 original = getattr(module, name)
                 patched.append((module, name, original))

@@ -41,6 +41,10 @@ from config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
+# Native residual-add + RMSNorm and SwiGLU kernels (worker/kernels/fused_ops.cc): None uses them where they
+# build (FD_NATIVE_KERNELS), False keeps Paddle's ops; read when a model is constructed (benchmarks compare both).
+NATIVE_FUSED_OPS: bool | None = None
+
 # Zero columns appended to a weight whose row stride is a multiple of 4 KiB (see module doc).
 _PAD_FLOATS = 32
 _ALIASING_STRIDE_BYTES = 4096
@@ -106,7 +110,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._rope_cos, self._rope_sin = _rope_tables(config)
         self._fused_norm = _fused_rms_norm_available()
         # Native residual-add + RMSNorm and SwiGLU (worker/kernels/fused_ops.cc) when they build; else Paddle's ops.
-        self.native_fused = paddle.get_device() == "cpu" and fused_ops.available()
+        self.native_fused = NATIVE_FUSED_OPS is not False and paddle.get_device() == "cpu" and fused_ops.available()
         # --dtype bfloat16: linear weights packed in bf16 for the native GEMM (Bf16Unavailable if it cannot run).
         self._bf16 = require_bf16_gemm() if config.dtype == "bfloat16" else None
 
