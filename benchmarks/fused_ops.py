@@ -13,6 +13,8 @@ OpenMP threads spinning, a multi-threaded native call can wait for a core (the m
 runtime, between these ops instead). ``--profile-rounds N`` then runs ``benchmarks/profile_step.py``
 (SmolLM2-135M decode step, ``--batch-size`` / ``--context``) N times per variant, alternating
 ``llama.NATIVE_FUSED_OPS`` False / None, and reports the medians of the step and of its norm/SwiGLU lines.
+``--step-rounds N`` times whole decode steps of one loaded model (model forward + LM head + argmax, as
+``bf16_step.py``), switching ``model.native_fused`` step by step, wall and process CPU time medians.
 """
 from __future__ import annotations
 
@@ -42,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--profile-rounds", type=int, default=0, help="profile_step runs per variant (0: none)")
     parser.add_argument("--batch-size", type=int, default=32, help="profile_step decode batch")
-    parser.add_argument("--context", type=int, default=128, help="profile_step context")
+    parser.add_argument("--context", type=int, default=128, help="profile_step / --step-rounds context")
+    parser.add_argument("--step-rounds", type=int, default=0,
+                        help="decode steps per variant with one model, toggling model.native_fused step by step")
+    parser.add_argument("--step-batch-sizes", default="1,32", help="decode batches of --step-rounds")
     return parser.parse_args(argv)
 
 
@@ -127,9 +132,37 @@ def profile_step_rounds(args: argparse.Namespace, threads: int) -> dict[str, Any
             "norm_swiglu_total_ms": round(statistics.median(
                 sum(_norm_swiglu_ms(r["labels_ms"]).values()) for r in reports), 3),
         }
-        print(f"profile_step {variant:<6} step {summary[variant]['step_ms_median']:.2f} ms  norm+swiglu "
-              f"{summary[variant]['norm_swiglu_total_ms']:.3f} ms  {summary[variant]['norm_swiglu_ms']}", file=sys.stderr)
+        line = summary[variant]
+        print(f"profile_step {variant:<6} step {line['step_ms_median']:.2f} ms  norm+swiglu "
+              f"{line['norm_swiglu_total_ms']:.3f} ms  {line['norm_swiglu_ms']}", file=sys.stderr)
     return summary
+
+
+def step_rounds(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
+    """Decode-step wall / CPU medians with the fused ops off and on, one model, alternating step by step."""
+    from bf16_step import _Sequences
+    from model_setup import load_model
+
+    loaded = load_model(argparse.Namespace(model=None, threads=threads, dtype="float32"))
+    model, results = loaded.model, []
+    for batch_size in (int(value) for value in args.step_batch_sizes.split(",")):
+        runs = {name: _Sequences(model, loaded.config, batch_size, args.context, args.step_rounds + 1)
+                for name in ("paddle", "native")}
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+        for step in range(args.step_rounds + 1):
+            for name, run in runs.items():
+                model.native_fused = name == "native"
+                sample = run.decode()
+                if step > 0:  # the first decode step of each is a warm-up
+                    samples[name].append(sample)
+        row: dict[str, Any] = {"batch_size": batch_size, "steps": args.step_rounds}
+        for name, values in samples.items():
+            row[f"{name}_wall_ms"] = round(statistics.median(v[0] for v in values) * 1e3, 2)
+            row[f"{name}_cpu_ms"] = round(statistics.median(v[1] for v in values) * 1e3, 2)
+        print(f"decode step batch {batch_size}: {row}", file=sys.stderr)
+        results.append(row)
+    model.native_fused = True
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"kernels": "fd_add_rms_norm, fd_silu_and_mul", "threads": threads, "hidden": args.hidden,
               "intermediate": args.intermediate, "repeats": args.repeats, "load_avg_1m": os.getloadavg()[0],
               "paddle_version": paddle.__version__, "results": results}
+    if args.step_rounds:
+        report["decode_steps"] = step_rounds(args, threads)
     if args.profile_rounds:
         report["profile_step"] = profile_step_rounds(args, threads)
     print(json.dumps(report, indent=1))
