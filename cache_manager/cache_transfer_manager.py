@@ -3,8 +3,10 @@
 One process per worker rank, spawned by the engine (``run_cache_transfer``). It owns:
 - the host KV pool segment (created here, unlinked on every exit path);
 - the storage backend client (``--kvcache-storage-backend``) and its reusable staging buffers;
-- the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch) and
-  ``ClearStorage``, answered with ``TransferStarted`` / ``TransferDone`` over ZMQ;
+- the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch, and P/D's
+  remote_read: another instance's blocks read into ours with the Mooncake transfer engine,
+  cache_manager/pd_transfer.py) and ``ClearStorage``, answered with ``TransferStarted`` /
+  ``TransferDone`` over ZMQ;
 - its readiness flag and heartbeat in ``InstanceSignals``.
 
 The device pool belongs to the worker; this process only maps it. Every copy that touches it runs
@@ -40,6 +42,7 @@ from cache_manager.kv_layout import (
     host_cache_segment,
     host_cache_shape,
 )
+from cache_manager.pd_transfer import KVTransferEngine, PDTransferError, block_segments
 from cache_manager.transfer_factory.base import KVStorageBackend
 from cache_manager.transfer_factory.factory import create_storage_backend
 from config.engine_config import EngineConfig
@@ -145,6 +148,7 @@ class CacheTransferManager:
         self.task_socket: zmq.Socket | None = None
         self.done_socket: zmq.Socket | None = None
         self._heartbeat: _Heartbeat | None = None
+        self.pd_engine: KVTransferEngine | None = None  # started by the first remote_read (P/D decode side)
         try:
             self._open(task_addr, done_addr)
         except BaseException:
@@ -194,6 +198,9 @@ class CacheTransferManager:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self.pd_engine is not None:
+            self.pd_engine.close()  # unregister before the pool below is unmapped
+            self.pd_engine = None
         if self.signals is not None:
             self.signals.cache_transfer_ready.value[self.tp_rank] = 0
             self.signals.close()
@@ -291,6 +298,8 @@ class CacheTransferManager:
             return self._write_back(task)
         if task.kind == "prefetch":
             return self._prefetch(task)
+        if task.kind == "remote_read":
+            return self._remote_read(task)
         raise TransferTaskError(f"unknown transfer kind {task.kind!r} (expected one of {TRANSFER_KINDS})")
 
     # ---- the four kinds ----------------------------------------------------------------------
@@ -382,6 +391,56 @@ class CacheTransferManager:
         count = chunk.stop - chunk.start
         buffers = [self.staging[row] for row in range(count)]
         return _results(backend.batch_get(task.storage_keys[chunk], buffers), count, "batch_get")
+
+    def _remote_read(self, task: TransferTask) -> list[bool]:
+        """P/D: another instance's blocks -> our LOAD blocks, under the lock exactly like a prefetch.
+
+        The peer pinned its blocks until we release them (the engine does, after this task reported),
+        so they do not change while we read. All or nothing: the transfer engine answers one status for
+        the batch; a failure is a miss for every block and the sequence recomputes them locally.
+        """
+        remote = task.remote
+        if remote is None:
+            raise TransferTaskError(f"remote_read task {task.task_id} names no remote blocks")
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(remote.block_ids), "remote block ids")
+        self._check_states(task, device_ids)
+        try:
+            engine = self._pd_transfer_engine()
+        except PDTransferError as exc:
+            logger.error("remote_read task %s: %s", task.task_id, exc)
+            self._send_started(task)
+            return [False] * len(device_ids)
+        model, block_size = self.config.model, self.config.cache.block_size
+        device = self.device
+        local, peer, lengths = block_segments(
+            model.num_hidden_layers * 2, device[0, 0, 0].nbytes, int(device.ctypes.data),
+            self.config.cache.num_gpu_blocks, remote.kv_addr, remote.num_blocks,
+            list(zip(device_ids, remote.block_ids)))
+        with self.lock.hold("remote_read"):
+            self._send_started(task)
+            self._fault_slow_fill()
+            self._check_states(task, device_ids)
+            try:
+                engine.read(remote.session, local, peer, lengths)
+            except PDTransferError as exc:
+                logger.error("remote_read task %s (%d blocks of %d tokens from %s) failed: %s", task.task_id,
+                             len(device_ids), block_size, remote.session, exc)
+                return [False] * len(device_ids)
+        return [True] * len(device_ids)
+
+    def _pd_transfer_engine(self) -> KVTransferEngine:
+        """The transfer engine, started and given our device pool on first use (P/D decode instances only)."""
+        if self.pd_engine is None:
+            engine = KVTransferEngine(self.config.pd.host)
+            try:
+                engine.register(self.device)
+            except PDTransferError:
+                engine.close()
+                raise
+            self.pd_engine = engine
+            logger.info("P/D transfer engine up at %s (device pool registered)", engine.session)
+        return self.pd_engine
 
     # ---- helpers -----------------------------------------------------------------------------
 
