@@ -32,9 +32,11 @@ class RouterMetrics:
         self.prefill_seconds = Histogram(PREFIX + "prefill_seconds", "Duration of P/D call 1 (the prefill instance)",
                                          registry=self.registry,
                                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.prefill_fallbacks = Counter(PREFIX + "prefill_fallbacks",
-                                         "P/D requests whose decode instance prefilled locally (no usable prefill)",
-                                         registry=self.registry)
+        self.prefill_fallbacks = Counter(
+            PREFIX + "prefill_fallbacks",
+            "P/D requests whose decode instance prefilled locally, by reason: no_offer (the prefill answer has "
+            "no kv_transfer_params: a prompt shorter than one block), no_prefill (none healthy), prefill_failed, "
+            "batch (several prompts in one request)", ["reason"], registry=self.registry)
         self.healthy = Gauge(PREFIX + "backend_healthy", "1 if the backend takes requests", ["backend", "role"],
                              registry=self.registry)
         self.in_flight = Gauge(PREFIX + "backend_in_flight", "Requests in flight at the backend",

@@ -10,7 +10,8 @@ original request plus the ``kv_transfer_params`` object of call 1's answer (opaq
 decode instance, whose answer goes to the client unchanged. The decode instance pulls the prompt's KV from the
 prefill instance and recomputes the rest, so a failed or missing prefill (no healthy prefill instance, a
 refused connection, a 5xx, an answer without ``kv_transfer_params``) only costs the decode instance a local
-prefill: the router then makes call 2 without the object. A 4xx of call 1 is the client's mistake and is
+prefill: the router then makes call 2 without the object. So does a completions request with a batch of
+prompts, which the P/D protocol does not transfer (one prompt per request). A 4xx of call 1 is the client's mistake and is
 answered as is.
 
 Usage: the client gets the decode instance's ``usage`` unchanged: it counts the whole prompt and every
@@ -133,10 +134,13 @@ class Forwarder:
 
         Raises ProxyError with the prefill instance's own status and body for a 4xx (the client's mistake).
         """
+        if _is_prompt_batch(request.body.get("prompt")):
+            self._prefill_fallback("batch", "a batch of prompts (P/D transfers one prompt per request)")
+            return None
         try:
             backend = self.pool.pick(Role.PREFILL)
         except NoBackendError as exc:
-            self._prefill_fallback(str(exc))
+            self._prefill_fallback("no_prefill", str(exc))
             return None
         body = dict(request.body, max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
@@ -150,7 +154,8 @@ class Forwarder:
             response = await self.client.post(backend.url + request.path, json=body, headers=request.headers)
         except httpx.HTTPError as exc:
             self._backend_failed(backend, exc)
-            self._prefill_fallback(f"prefill call to {backend.url} failed: {type(exc).__name__}: {exc}")
+            self._prefill_fallback("prefill_failed",
+                                   f"prefill call to {backend.url} failed: {type(exc).__name__}: {exc}")
             return None
         finally:
             backend.in_flight -= 1
@@ -159,22 +164,24 @@ class Forwarder:
             raise _passthrough_error(response)
         if response.status_code != 200:
             self.metrics.backend_errors.labels(backend=backend.url, role=backend.role.value, kind="status").inc()
-            self._prefill_fallback(f"prefill call to {backend.url} answered {response.status_code}: "
-                                   f"{response.text[:300]}")
+            self._prefill_fallback("prefill_failed", f"prefill call to {backend.url} answered "
+                                   f"{response.status_code}: {response.text[:300]}")
             return None
         try:
             params = response.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
         if not isinstance(params, dict):
-            self._prefill_fallback(f"prefill answer of {backend.url} has no kv_transfer_params object "
-                                   "(a mixed instance, or a prompt shorter than one block)")
+            # The usual answer for a prompt shorter than one block (nothing to transfer), or a mixed instance.
+            self._prefill_fallback("no_offer", f"prefill answer of {backend.url} has no kv_transfer_params object")
             return None
         return params
 
-    def _prefill_fallback(self, reason: str) -> None:
-        logger.warning("P/D: the decode instance prefills locally: %s", reason)
-        self.metrics.prefill_fallbacks.inc()
+    def _prefill_fallback(self, reason: str, detail: str) -> None:
+        """Count (and log) a P/D request whose decode instance will prefill itself."""
+        level = logging.DEBUG if reason == "no_offer" else logging.WARNING
+        logger.log(level, "P/D: the decode instance prefills locally: %s", detail)
+        self.metrics.prefill_fallbacks.labels(reason=reason).inc()
 
     # -- sending and relaying
 
@@ -263,6 +270,11 @@ class Forwarder:
             # Refused, or the connection died under a request: the process is gone or going; the health
             # checker brings it back once it answers again.
             backend.mark_unhealthy(f"{type(exc).__name__}: {exc}")
+
+
+def _is_prompt_batch(prompt: Any) -> bool:
+    """A completions ``prompt`` holding several prompts (a list of strings or of token lists)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
 
 
 class _ConnectFailed(Exception):

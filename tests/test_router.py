@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -31,7 +32,8 @@ from scripts.make_tiny_dense import make_tiny_dense
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Instances of the tiny model: a few sequences, room for one long one. A long stream (it takes seconds on the
 # tiny model, which decodes fast) keeps a backend busy while a test looks; the tests end it early.
-SERVER_ARGS = ("--max-num-seqs", "8", "--num-gpu-blocks-override", "320")
+# Block size 16: the P/D instances transfer a prompt's full blocks, so short prompts have some.
+SERVER_ARGS = ("--max-num-seqs", "8", "--num-gpu-blocks-override", "1280", "--block-size", "16")
 CONTEXT = 16384
 LONG = 16000
 PROMPT = "The quick brown fox"
@@ -103,9 +105,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @contextlib.contextmanager
-def started_servers(count: int, *args: str) -> Iterator[list[ServerProcess]]:
-    """``count`` launch.py instances started side by side (the start-up is the slow part), closed on every path."""
-    servers = [ServerProcess(*args) for _ in range(count)]
+def started_servers(arg_lists: list[tuple[str, ...]]) -> Iterator[list[ServerProcess]]:
+    """launch.py instances started side by side (the start-up is the slow part), closed on every path."""
+    servers = [ServerProcess(*args) for args in arg_lists]
     try:
         for server in servers:
             server.launch()
@@ -118,9 +120,16 @@ def started_servers(count: int, *args: str) -> Iterator[list[ServerProcess]]:
 
 
 @pytest.fixture(scope="module")
-def backends(tiny_model: str) -> Iterator[list[ServerProcess]]:
-    with started_servers(2, "--model", tiny_model, *SERVER_ARGS) as servers:
-        yield servers
+def instances(tiny_model: str) -> Iterator[dict[str, list[ServerProcess]]]:
+    """Two mixed instances, one prefill and one decode instance, all of the tiny model (started together)."""
+    roles = ["mixed", "mixed", "prefill", "decode"]
+    with started_servers([("--model", tiny_model, *SERVER_ARGS, "--splitwise-role", r) for r in roles]) as servers:
+        yield {role: [s for s, r in zip(servers, roles) if r == role] for role in set(roles)}
+
+
+@pytest.fixture(scope="module")
+def backends(instances: dict[str, list[ServerProcess]]) -> list[ServerProcess]:
+    return instances["mixed"]
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +156,9 @@ def complete(base_url: str, **fields: object) -> httpx.Response:
 
 
 def normalise(payload: bytes) -> bytes:
-    """An answer without what differs between two calls: the id and the creation time."""
+    """An answer without what differs between two calls: the id, the creation time, the prefix-cache hits."""
     payload = re.sub(rb'"id":"[^"]*"', b'"id":"X"', payload)
+    payload = re.sub(rb'"cached_tokens":\d+', b'"cached_tokens":0', payload)
     return re.sub(rb'"created":\d+', b'"created":0', payload)
 
 
@@ -223,7 +233,6 @@ def test_streamed_answer_equals_a_direct_call(router: RouterProcess, backends: l
     direct = httpx.post(backends[1].base_url + path, json=plain, timeout=TIMEOUT)
     routed = httpx.post(router.base_url + path, json=plain, timeout=TIMEOUT)
     assert normalise(routed.content) == normalise(direct.content)
-    assert routed.json()["usage"] == direct.json()["usage"]
 
 
 @pytest.mark.integration
@@ -261,6 +270,133 @@ def test_client_disconnect_aborts_the_backend_request(router: RouterProcess, bac
     wait_until(lambda: active() == 0, "the backend aborts the non-streamed request after the client left")
     wait_until(lambda: all(b["in_flight"] == 0 for b in backend_status(router).values()),
                "the router counts nothing in flight")
+
+
+# ---- integration: P/D (prefill then decode) ------------------------------------------------------------------
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # 61 tokens: three full blocks to transfer
+PD_CASES = [  # (path, prompt, stream)
+    ("/v1/completions", LONG_PROMPT, False),
+    ("/v1/completions", LONG_PROMPT + "Then", True),
+    ("/v1/completions", "Once upon a time", False),  # shorter than a block: nothing to transfer
+    ("/v1/chat/completions", "Tell me about foxes and dogs and why the quick one jumps over the lazy one.", True),
+    ("/v1/chat/completions", LONG_PROMPT, False),
+    ("/v1/completions", "A different prompt, long enough to fill a block of sixteen tokens or more.", True),
+]
+
+
+def pd_request(path: str, prompt: str, stream: bool) -> dict:
+    body: dict = {"max_tokens": 24, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update({"prompt": prompt} if path == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]})
+    return body
+
+
+def answer_text_and_usage(path: str, response: httpx.Response) -> tuple[str, dict]:
+    """The generated text and the usage of a streamed or a plain answer."""
+    assert response.status_code == 200, response.text
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        choice = response.json()["choices"][0]
+        return (choice["text"] if path == "/v1/completions" else choice["message"]["content"]), response.json()["usage"]
+    text, usage = "", None
+    for event in response.content.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        chunk = json.loads(event.removeprefix(b"data: "))
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            text += choice.get("text", "") if path == "/v1/completions" else choice["delta"].get("content") or ""
+    return text, usage
+
+
+def prefill_fallbacks(router: RouterProcess) -> dict[str, float]:
+    found = re.findall(r'fdserve_router_prefill_fallbacks_total\{reason="(\w+)"\} ([0-9.]+)',
+                       httpx.get(router.base_url + "/metrics", timeout=TIMEOUT).text)
+    return {reason: float(count) for reason, count in found}
+
+
+@pytest.fixture(scope="module")
+def pd_router(instances: dict[str, list[ServerProcess]]) -> Iterator[RouterProcess]:
+    with RouterProcess(prefill=[instances["prefill"][0].base_url], decode=[instances["decode"][0].base_url],
+                       args=["--health-interval", "0.5"]) as proc:
+        yield proc
+    if proc.returncode != 0:
+        pytest.fail(f"router exited with {proc.returncode} after SIGINT:\n{proc.log_tail()}")
+
+
+@pytest.mark.integration
+def test_pd_greedy_answers_equal_a_mixed_instance_concurrently(pd_router: RouterProcess,
+                                                                instances: dict[str, list[ServerProcess]]) -> None:
+    mixed, prefill = instances["mixed"][0], instances["prefill"][0]
+    expected = [answer_text_and_usage(path, httpx.post(mixed.base_url + path, json=pd_request(path, prompt, stream),
+                                                       timeout=TIMEOUT))
+                for path, prompt, stream in PD_CASES]
+    with ThreadPoolExecutor(len(PD_CASES)) as pool:
+        routed = list(pool.map(lambda case: answer_text_and_usage(case[0], httpx.post(
+            pd_router.base_url + case[0], json=pd_request(*case), timeout=TIMEOUT)), PD_CASES))
+    for (path, prompt, _), (text, usage), (want_text, want_usage) in zip(PD_CASES, routed, expected):
+        assert text == want_text, (path, prompt)
+        assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens")} == {
+            k: want_usage[k] for k in ("prompt_tokens", "completion_tokens")}
+    # The long prompts' full blocks came from the prefill instance (the decode instance had never seen them).
+    assert routed[0][1]["prompt_tokens_details"]["cached_tokens"] >= 48
+    assert prefill_fallbacks(pd_router) == {"no_offer": 1.0}  # the prompt shorter than one block
+    metrics = httpx.get(pd_router.base_url + "/metrics", timeout=TIMEOUT).text
+    assert f'fdserve_router_requests_total{{endpoint="/v1/completions",mode="pd"}} 4.0' in metrics
+    wait_until(lambda: httpx.get(prefill.base_url + "/v1/cache/stats", timeout=TIMEOUT).json()["pd_held_blocks"] == 0,
+               "the prefill instance holds no blocks once the decode instance has read them")
+
+
+@pytest.mark.integration
+def test_pd_batch_prompt_and_client_errors(pd_router: RouterProcess, instances: dict[str, list[ServerProcess]]) -> None:
+    mixed = instances["mixed"][0]
+    body = {"prompt": [LONG_PROMPT, "Once upon a time"], "max_tokens": 6, "temperature": 0}
+    routed = httpx.post(pd_router.base_url + "/v1/completions", json=body, timeout=TIMEOUT)
+    direct = httpx.post(mixed.base_url + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert routed.status_code == 200, routed.text
+    assert [c["text"] for c in routed.json()["choices"]] == [c["text"] for c in direct.json()["choices"]]
+    assert prefill_fallbacks(pd_router).get("batch") == 1.0
+    # A mistake the prefill instance finds comes back as its 4xx, and no decode call is made.
+    bad = {"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": -1}
+    routed = httpx.post(pd_router.base_url + "/v1/completions", json=bad, timeout=TIMEOUT)
+    direct = httpx.post(mixed.base_url + "/v1/completions", json=bad, timeout=TIMEOUT)
+    assert routed.status_code == direct.status_code == 400 and routed.content == direct.content
+
+
+@pytest.mark.integration
+def test_pd_prefill_then_decode_killed(instances: dict[str, list[ServerProcess]]) -> None:
+    """A router with P/D and a mixed instance: the prefill instance gone, the decode instance prefills locally;
+    the decode instance killed mid-stream, an error event and [DONE], then the mixed instance serves. Kills both
+    P/D instances: keep this after the other P/D tests."""
+    prefill, decode, mixed = instances["prefill"][0], instances["decode"][0], instances["mixed"][1]
+    want, _ = answer_text_and_usage("/v1/completions", complete(mixed.base_url, prompt=LONG_PROMPT))
+    with RouterProcess(prefill=[prefill.base_url], decode=[decode.base_url], mixed=[mixed.base_url],
+                       args=["--health-interval", "0.5"]) as router:
+        prefill.kill_group()
+        for _ in range(2):
+            text, usage = answer_text_and_usage("/v1/completions", complete(router.base_url, prompt=LONG_PROMPT))
+            assert text == want
+        fallbacks = prefill_fallbacks(router)
+        assert fallbacks.get("prefill_failed", 0) + fallbacks.get("no_prefill", 0) == 2, fallbacks
+
+        with httpx.Client(timeout=TIMEOUT) as client:
+            stream = open_stream(router.base_url, client)  # idle: P/D takes it
+            chunks = stream.iter_raw()
+            first = next(chunks)
+            assert backend_status(router)[decode.base_url]["in_flight"] == 1
+            decode.kill_group()
+            rest = b"".join(chunks)
+        events = (first + rest).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        error = json.loads(events[-3].removeprefix(b"data: "))["error"]
+        assert decode.base_url in error["message"] and "decode backend" in error["message"]
+        for _ in range(3):
+            text, _ = answer_text_and_usage("/v1/completions", complete(router.base_url, prompt=LONG_PROMPT))
+            assert text == want
+        assert httpx.get(router.base_url + "/health", timeout=TIMEOUT).status_code == 200
+        assert backend_status(router)[decode.base_url]["healthy"] is False
+    assert router.returncode == 0, router.log_tail()
 
 
 @pytest.mark.integration
