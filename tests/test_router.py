@@ -14,7 +14,11 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +28,8 @@ import httpx
 import pytest
 
 from harness.router import RouterProcess
-from harness.server import ServerProcess, free_port
+from harness.server import ServerProcess, free_port, prepare_server_child, shm_names
+from inter_communicator.shm import sweep_stale
 from router.backends import Backend, BackendPool, NoBackendError, Role
 from router.cli import parse_args
 from scripts.make_tiny_dense import make_tiny_dense
@@ -440,3 +445,44 @@ def test_no_healthy_backend_is_a_503_with_the_reason() -> None:
     finally:
         proc.close()
     assert proc.returncode == 0, proc.log_tail()
+
+
+# ---- integration: scripts/run_pd.sh -------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_run_pd_script_serves_then_stops_clean(tiny_model: str, tmp_path: Path) -> None:
+    ports = {"router": free_port(), "prefill": free_port(), "decode": free_port()}
+    env = {**os.environ, "MODEL": tiny_model, "PREFILL_PORT": str(ports["prefill"]),
+           "DECODE_PORT": str(ports["decode"]), "LOG_DIR": str(tmp_path), "STOP_TIMEOUT": "20"}
+    stderr_path = tmp_path / "run_pd.err"
+    with open(stderr_path, "wb") as stderr:
+        proc = subprocess.Popen(["bash", str(REPO_ROOT / "scripts" / "run_pd.sh"), str(ports["router"]),
+                                 *SERVER_ARGS], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
+                                start_new_session=True, preexec_fn=prepare_server_child)
+    try:
+        ready = proc.stdout.readline().decode()  # the script's only stdout line; EOF if it fails
+        assert "ready" in ready and str(ports["router"]) in ready, stderr_path.read_text()
+        base_url = f"http://127.0.0.1:{ports['router']}"
+        assert httpx.get(base_url + "/health", timeout=TIMEOUT).status_code == 200
+        answer = complete(base_url, prompt=LONG_PROMPT)
+        assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, stderr_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    started = [int(pid) for pid in re.findall(r"started \w+ \(pid (\d+)", stderr_path.read_text())]
+    assert len(started) == 3
+    left = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    assert left == [], f"processes left: {left}"
+    instance_ids = (f"pdp{ports['prefill']}", f"pdd{ports['decode']}")
+    leftovers = [name for instance_id in instance_ids for name in shm_names(instance_id)]
+    for instance_id in instance_ids:
+        sweep_stale(instance_id)
+    assert leftovers == []
+    for port in ports.values():  # all three ports free again (TIME_WAIT connections aside)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
