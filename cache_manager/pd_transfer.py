@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 TE_METADATA_SERVER = "P2PHANDSHAKE"
 TE_PROTOCOL = "tcp"
+# Pieces per transfer-engine batch call. Larger batches over TCP failed intermittently here (thousands of
+# pieces of 48 KiB at a high load: "connection reset by peer", or the peer refusing addresses inside its
+# registered pool); a long read is made of several batches instead.
+MAX_PIECES_PER_BATCH = 240
 # Bumped when the offer's fields change meaning: a decode instance refuses an offer of another version.
 PD_PROTOCOL_VERSION = 1
 
@@ -91,20 +95,23 @@ class KVTransferEngine:
 
     def read(self, session: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         """Copy ``lengths[i]`` bytes from ``remote[i]`` on peer ``session`` to ``local[i]``; all or an error."""
-        if not local:
-            return
-        rc = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
-        if rc != 0:
-            raise PDTransferError(f"reading {len(local)} pieces ({sum(lengths)} bytes) from {session} failed "
-                                  f"with {rc} (the peer is gone, or it no longer holds that memory)")
+        for start in range(0, len(local), MAX_PIECES_PER_BATCH):
+            end = start + MAX_PIECES_PER_BATCH
+            rc = self._engine.batch_transfer_sync_read(session, local[start:end], remote[start:end],
+                                                       lengths[start:end])
+            if rc != 0:
+                raise PDTransferError(f"reading {len(local[start:end])} pieces ({sum(lengths[start:end])} bytes) "
+                                      f"from {session} failed with {rc} (the peer is gone, or it no longer holds "
+                                      "that memory)")
 
     def write(self, session: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         """The push direction (benchmarks only): ``local[i]`` -> ``remote[i]`` on ``session``."""
-        if not local:
-            return
-        rc = self._engine.batch_transfer_sync_write(session, local, remote, lengths)
-        if rc != 0:
-            raise PDTransferError(f"writing {len(local)} pieces ({sum(lengths)} bytes) to {session} failed with {rc}")
+        for start in range(0, len(local), MAX_PIECES_PER_BATCH):
+            end = start + MAX_PIECES_PER_BATCH
+            rc = self._engine.batch_transfer_sync_write(session, local[start:end], remote[start:end],
+                                                        lengths[start:end])
+            if rc != 0:
+                raise PDTransferError(f"writing {len(local[start:end])} pieces to {session} failed with {rc}")
 
     def close(self) -> None:
         for address in list(self._registered):
