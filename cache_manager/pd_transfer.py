@@ -39,6 +39,9 @@ TE_PROTOCOL = "tcp"
 # pieces of 48 KiB at a high load: "connection reset by peer", or the peer refusing addresses inside its
 # registered pool); a long read is made of several batches instead.
 MAX_PIECES_PER_BATCH = 240
+# A read of a peer's blocks starts only while its hold has at least this long to run (``expires_at``): a
+# hold that ends mid-read could let the peer reuse the blocks under us. Wall clocks: P/D nodes need NTP.
+PD_EXPIRY_MARGIN_S = 2.0
 # Bumped when the offer's fields change meaning: a decode instance refuses an offer of another version.
 PD_PROTOCOL_VERSION = 1
 
@@ -133,6 +136,10 @@ class RemotePrefill:
     model_fingerprint: str = ""
     kv_layout: str = ""
     ttl_s: float = 0.0
+    expires_at: float = 0.0  # wall-clock time (time.time()) the prefill instance frees the blocks at the latest
+
+    def remaining_s(self, now: float) -> float:
+        return self.expires_at - now
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` object of the prefill instance's response (JSON-ready)."""
@@ -142,7 +149,7 @@ class RemotePrefill:
             "remote_kv_addr": self.kv_addr, "remote_num_blocks": self.num_blocks,
             "remote_block_ids": list(self.block_ids), "block_hashes": list(self.block_hashes),
             "block_size": self.block_size, "model_fingerprint": self.model_fingerprint,
-            "kv_layout": self.kv_layout, "ttl_s": self.ttl_s,
+            "kv_layout": self.kv_layout, "ttl_s": self.ttl_s, "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -161,7 +168,8 @@ class RemotePrefill:
                         block_size=_typed(params, "block_size", int),
                         model_fingerprint=_typed(params, "model_fingerprint", str),
                         kv_layout=_typed(params, "kv_layout", str),
-                        ttl_s=float(params.get("ttl_s", 0.0)))
+                        ttl_s=float(params.get("ttl_s", 0.0)),
+                        expires_at=float(_typed(params, "expires_at", (int, float))))
         except (TypeError, ValueError) as exc:
             raise PDProtocolError(f"malformed kv_transfer_params: {exc}") from exc
         if len(offer.block_ids) != len(offer.block_hashes):
@@ -180,10 +188,11 @@ class RemotePrefill:
                 f"{model_fingerprint[:12]}, layout {kv_layout!r})")
 
 
-def _typed(params: dict[str, Any], name: str, kind: type) -> Any:
+def _typed(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = params.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise PDProtocolError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise PDProtocolError(f"kv_transfer_params.{name} must be a {names}, got {value!r}")
     return value
 
 

@@ -198,7 +198,7 @@ class TransferPlanner:
         if remote:
             task = self._new_task("remote_read", [d for d, _, _ in remote])
             task.remote = RemoteBlocks(offer.session, offer.kv_addr, offer.num_blocks, [r for _, _, r in remote],
-                                       offer.transfer_id)
+                                       offer.transfer_id, offer.expires_at)
             self._remote_offers[task.task_id] = offer
             self.stats.remote_reads += 1
             self._issue(task, [b for _, b, _ in remote], BlockState.LOAD, plan)

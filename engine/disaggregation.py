@@ -13,7 +13,7 @@ Protocol (agreed with the router, which makes exactly two plain HTTP calls; /tmp
    (``RemotePrefill.to_params``: ``do_remote_prefill: true``, a ``transfer_id``, its transfer engine's
    ``remote_session`` (host:rpc_port), its pool's address and block count, the block ids holding the
    prompt's full blocks with their chained hashes, block size, model fingerprint, KV layout,
-   ``release_endpoint``, ``ttl_s``). Those blocks are held (one extra reference: not evicted, not
+   ``release_endpoint``, ``ttl_s``, ``expires_at``). Those blocks are held (one extra reference: not evicted, not
    reused) until released or ``FD_PD_HOLD_TTL_S`` (default 30 s) passed. No offer (``null``) when the
    prompt has no full block.
 2. Router -> decode instance: the original request plus that ``kv_transfer_params``. At admission the
@@ -27,8 +27,9 @@ Protocol (agreed with the router, which makes exactly two plain HTTP calls; /tmp
    no room, the request ended first), the decode engine sends the release of ``transfer_id`` to the
    prefill instance's ``release_endpoint`` (ZMQ PUSH over TCP, fire and forget; the TTL covers a lost one).
 
-Failures: an offer that is malformed or describes another model / block size / layout is logged and
-ignored (the request prefills locally); a peer that is gone or a transfer error fails the read, and the
+Failures: an offer that is malformed, describes another model / block size / layout, or whose hold ends
+within PD_EXPIRY_MARGIN_S is logged and ignored (the request prefills locally; no read starts that close
+to ``expires_at``, wall clock, so the prefill side never reuses blocks under a read); a peer that is gone or a transfer error fails the read, and the
 blocks are recomputed locally (the request still succeeds: fallback to local prefill); a hung read runs
 into the fill deadline (recompute) and the transfer process's watchdog. Blocks never leak: the decode
 side's are released by the fill machinery, the prefill side's on release or TTL expiry, or dropped with
@@ -46,7 +47,8 @@ import zmq
 
 from cache_manager.kv_cache_manager import KVCacheManager
 from cache_manager.kv_layout import KV_LAYOUT_TAG, device_cache_segment, device_cache_shape
-from cache_manager.pd_transfer import KVTransferEngine, PDProtocolError, PDTransferError, RemotePrefill
+from cache_manager.pd_transfer import (PD_EXPIRY_MARGIN_S, KVTransferEngine, PDProtocolError, PDTransferError,
+                                       RemotePrefill)
 from config.engine_config import EngineConfig
 from engine.sequence import Sequence
 from inter_communicator.shm import SharedArray
@@ -124,7 +126,7 @@ class PrefillSide:
             kv_addr=self._pool_addr, num_blocks=self.config.cache.num_gpu_blocks, block_ids=block_ids,
             block_hashes=list(seq.block_hashes[:full]), block_size=self.cache.block_size,
             model_fingerprint=self.config.cache.model_fingerprint, kv_layout=KV_LAYOUT_TAG,
-            ttl_s=self.config.pd.hold_ttl_s).to_params()
+            ttl_s=self.config.pd.hold_ttl_s, expires_at=time.time() + self.config.pd.hold_ttl_s).to_params()
 
     def service(self) -> None:
         """Apply the releases that arrived and end the holds past their TTL."""
@@ -203,6 +205,9 @@ class DecodeSide:
         try:
             offer = RemotePrefill.parse(params)
             offer.check_compatible(self.cache.block_size, self.config.cache.model_fingerprint, KV_LAYOUT_TAG)
+            if offer.remaining_s(time.time()) < PD_EXPIRY_MARGIN_S:
+                raise PDProtocolError(f"the prefill instance's hold ends in {offer.remaining_s(time.time()):.1f} s "
+                                      f"(FD_PD_HOLD_TTL_S there; P/D nodes need synchronised clocks)")
         except PDProtocolError as exc:
             self.stats["pd_offers_refused"] += 1
             logger.warning("%s: kv_transfer_params ignored, prefilling locally: %s", seq.request_id, exc)

@@ -88,6 +88,7 @@ class RemoteBlocks:
     num_blocks: int  # the peer pool's block count
     block_ids: list[int]  # peer blocks, aligned with the task's device_block_ids
     transfer_id: str = ""  # the peer's hold, released by the engine once the task reported
+    expires_at: float = 0.0  # wall clock: the peer frees the blocks then at the latest (no read starts close to it)
 
 
 @dataclass

@@ -43,7 +43,7 @@ REFERENCE = Path("/work/shared/reference/smollm2_greedy.json")
 SERVER_ARGS = ("--block-size", "16", "--max-model-len", "1024", "--num-gpu-blocks-override", "192",
                "--max-num-seqs", "8")
 NUM_BLOCKS = 192
-HOLD_TTL_S = 3.0
+HOLD_TTL_S = 10.0
 # Greedy tokens compared with the reference: a prefix of its output is enough to show the KV is right.
 COMPARED_TOKENS = 16
 
@@ -54,7 +54,7 @@ def offer(**overrides: Any) -> RemotePrefill:
     base = RemotePrefill(transfer_id="t1", session="127.0.0.1:1", release_endpoint="tcp://127.0.0.1:2",
                          kv_addr=4096, num_blocks=8, block_ids=[3, 5, 6],
                          block_hashes=hash_full_blocks(PROMPT, BS, FINGERPRINT), block_size=BS,
-                         model_fingerprint=FINGERPRINT, kv_layout="hm", ttl_s=30.0)
+                         model_fingerprint=FINGERPRINT, kv_layout="hm", ttl_s=30.0, expires_at=time.time() + 30)
     for name, value in overrides.items():
         setattr(base, name, value)
     return base
@@ -71,7 +71,8 @@ def test_offer_round_trips_through_json_and_refuses_what_does_not_fit() -> None:
     with pytest.raises(PDProtocolError, match="does not match"):
         sent.check_compatible(BS, "other-model", "hm")
     for broken in ({"remote_kv_addr": "0x10"}, {"remote_block_ids": [3, 9, 1]}, {"version": 99},
-                   {"block_hashes": ["a"]}, {"remote_session": None}, {"block_size": True}):
+                   {"block_hashes": ["a"]}, {"remote_session": None}, {"block_size": True},
+                   {"expires_at": None}):
         with pytest.raises(PDProtocolError):
             RemotePrefill.parse({**params, **broken})
 
@@ -328,8 +329,30 @@ def test_failed_read_falls_back_to_local_prefill(pd_servers: dict[str, ServerPro
     tokens, _ = _decode(decode, ref, {**params, "model_fingerprint": "0" * 16})
     assert tokens == _expected(ref)
     assert _stats(decode)["pd_offers_refused"] == before["pd_offers_refused"] + 1
+    # An offer whose hold ends (nearly) now is not read either: the prefill side may reuse those blocks.
+    params = _prefill(prefill, ref)
+    tokens, _ = _decode(decode, ref, {**params, "expires_at": time.time() + 0.5})
+    assert tokens == _expected(ref)
+    assert _stats(decode)["pd_offers_refused"] == before["pd_offers_refused"] + 2
     _wait_for(lambda: _stats(prefill)["pd_held_blocks"] == 0, HOLD_TTL_S / 2, "the holds' release")
     _assert_no_block_in_use(decode)
+
+
+@pytest.mark.integration
+def test_long_prompt_is_read_in_several_chunks(pd_servers: dict[str, ServerProcess]) -> None:
+    """More blocks than the decode side stages per round (PD_STAGING_BLOCKS = 16): read in chunks, same output
+    as the decode instance computing the prompt itself (a mixed request, from an emptied prefix cache)."""
+    prefill, decode = pd_servers["prefill"], pd_servers["lock_on"]
+    ref = {"prompt": " ".join(r["prompt"] for r in _references()) * 6, "output_ids": [0] * 8}
+    assert httpx.post(decode.base_url + "/v1/cache/reset", timeout=10).status_code == 200
+    local, _ = _decode(decode, ref, None)
+    assert httpx.post(decode.base_url + "/v1/cache/reset", timeout=10).status_code == 200
+    params = _prefill(prefill, ref)
+    assert len(params["remote_block_ids"]) > 16
+    before = _stats(decode)["remote_hit_tokens"]
+    tokens, cached = _decode(decode, ref, params)
+    assert tokens == local
+    assert _stats(decode)["remote_hit_tokens"] - before == cached == len(params["remote_block_ids"]) * 16
 
 
 @pytest.mark.integration
