@@ -12,6 +12,14 @@ repeated ``--repeat`` times, alternating, and reported as the median; the first 
 checked byte for byte.
 
     python benchmarks/pd_transfer.py [--block-size 64] [--blocks 1 4 16 64] [--repeat 15] [--out FILE.json]
+
+``--serve`` measures the same transfer inside real servers instead: a prefill and a decode ``launch.py``
+instance (SmolLM2, ``--block-size``), prompts of about ``--prompt-tokens`` tokens; for each prompt, alternating,
+the decode instance's time to first token (streamed) when it computes the prompt itself (its prefix cache
+emptied first) against when it reads the prompt's blocks from the prefill instance (the router's second call),
+plus the prefill call's own latency.
+
+    python benchmarks/pd_transfer.py --serve [--prompt-tokens 1000] [--repeat 4]
 """
 from __future__ import annotations
 
@@ -66,6 +74,75 @@ def local_copy_s(local: np.ndarray, source: np.ndarray, peer_ids: list[int]) -> 
     return time.perf_counter() - started
 
 
+def _ttft(url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """Seconds to the first streamed token and the usage's cached_tokens."""
+    import httpx
+
+    started = time.perf_counter()
+    first, cached = None, -1
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=300) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    return first, cached
+
+
+def serve_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode-side TTFT computing the prompt locally against reading it from a prefill instance (see the docstring)."""
+    import httpx
+
+    from harness.server import ServerProcess
+
+    common = ("--block-size", str(args.block_size), "--max-model-len", "4096", "--max-num-seqs", "8")
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat".split()
+    rows: dict[str, list[float]] = {"local_ttft_s": [], "pd_decode_ttft_s": [], "prefill_call_s": []}
+    cached_tokens = []
+    prefill = ServerProcess(*common, "--splitwise-role", "prefill", id_prefix="bpp", die_with_parent=True)
+    decode = ServerProcess(*common, "--splitwise-role", "decode", id_prefix="bpd", die_with_parent=True)
+    try:
+        prefill.launch()
+        decode.launch()
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        for round_index in range(args.repeat + 1):  # round 0 warms both up and is not counted
+            # A different prompt every round: neither instance has it cached.
+            text = " ".join(words[(i * 7 + round_index) % len(words)] for i in range(args.prompt_tokens))
+            body = {"messages": [{"role": "user", "content": f"{round_index}: {text}"}], "temperature": 0,
+                    "max_tokens": 4}
+            httpx.post(decode.base_url + "/v1/cache/reset", timeout=30).raise_for_status()
+            local, _ = _ttft(decode.base_url, body)
+            httpx.post(decode.base_url + "/v1/cache/reset", timeout=30).raise_for_status()
+            started = time.perf_counter()
+            response = httpx.post(prefill.base_url + "/v1/chat/completions", timeout=300,
+                                  json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            response.raise_for_status()
+            prefill_s = time.perf_counter() - started
+            remote, cached = _ttft(decode.base_url, {**body, "kv_transfer_params": response.json()["kv_transfer_params"]})
+            if round_index:
+                rows["local_ttft_s"].append(local)
+                rows["pd_decode_ttft_s"].append(remote)
+                rows["prefill_call_s"].append(prefill_s)
+                cached_tokens.append(cached)
+    finally:
+        decode.close()
+        prefill.close()
+    medians = {name: round(statistics.median(values), 4) for name, values in rows.items()}
+    return {"benchmark": "pd_transfer --serve", "block_size": args.block_size, "prompt_words": args.prompt_tokens,
+            "repeat": args.repeat, "statistic": "median", "load_average": os.getloadavg()[0],
+            "transferred_tokens": cached_tokens, **medians,
+            "decode_ttft_speedup": round(medians["local_ttft_s"] / medians["pd_decode_ttft_s"], 2),
+            "samples": {name: [round(v, 4) for v in values] for name, values in rows.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=30)
@@ -75,7 +152,17 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
+    parser.add_argument("--serve", action="store_true", help="measure inside a prefill and a decode server")
+    parser.add_argument("--prompt-tokens", type=int, default=1000, help="--serve: words per prompt (~tokens)")
     args = parser.parse_args()
+    if args.serve:
+        report = serve_benchmark(args)
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as handle:
+                handle.write(text + "\n")
+        return
     most = max(args.blocks)
     peer_blocks = 2 * most + 1  # room for the scattered pattern
     peer_shape = pool_shape(args, peer_blocks)

@@ -34,6 +34,7 @@ from cache_manager.block_hash import ROOT_HASH, hash_block
 from cache_manager.block_pool import BlockAllocationError, BlockPool, DeviceBlock
 from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
+from cache_manager.pd_transfer import RemotePrefill
 from cache_manager.prefix_index import PrefixIndex
 from cache_manager.storage_lookup import StorageLookup
 from cache_manager.transfer_planner import CacheStats, TransferPlanner
@@ -283,8 +284,8 @@ class KVCacheManager:
         for block_id in block_ids:
             self.pool.release(block_id)
 
-    def take_finished_offers(self) -> list:
-        """P/D decode side: prefill offers read or not needed; the engine releases them (``RemotePrefill``)."""
+    def take_finished_offers(self) -> list[RemotePrefill]:
+        """P/D decode side: prefill offers read or not needed; the engine releases them."""
         return self.transfers.take_finished_offers()
 
     def is_loading(self, seq: CacheSequence, started_is_enough: bool = False) -> bool:
