@@ -338,6 +338,9 @@ def _validate_pd(args: EngineArgs) -> None:
     if args.data_parallel_size != 1:
         raise ConfigError(f"{role} does not support --data-parallel-size > 1: run one instance per rank and "
                           "let the router spread the requests")
+    if args.pd_host in ("0.0.0.0", "::"):
+        raise ConfigError(f"--pd-host {args.pd_host} is a wildcard: give the address peers reach this node at "
+                          "(it is sent to them in kv_transfer_params)")
     if not args.enable_prefix_caching:
         raise ConfigError(f"{role} needs the prefix cache (the transferred blocks are matched by their hashes): "
                           "drop --no-enable-prefix-caching")

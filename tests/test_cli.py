@@ -135,6 +135,7 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
     ("--master-addr", ("--master-addr", "192.0.2.7"), "only apply with --enable-expert-parallel"),
     ("--splitwise-role", ("--splitwise-role", "decode", "--data-parallel-size", "2"), "--data-parallel-size > 1"),
     ("--splitwise-role", ("--splitwise-role", "prefill", "--no-enable-prefix-caching"), "needs the prefix cache"),
+    ("--pd-host", ("--splitwise-role", "decode", "--pd-host", "0.0.0.0"), "wildcard"),
     ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),
 ]
 
