@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=float, default=5.0, help="seconds one GET /health may take")
-    parser.add_argument("--unhealthy-after", type=int, default=2,
+    parser.add_argument("--unhealthy-after", type=int, default=3,
                         help="timed-out health checks in a row that take a backend out (a refusal or an error "
                              "status takes it out at once)")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a backend")
@@ -108,11 +108,17 @@ async def serve(args: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM."""
     pool = build_pool(args)
     metrics = RouterMetrics(pool)
-    # No connection cap: every client request holds one backend connection for its whole answer.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # No connection cap: every client request holds one backend connection for its whole answer. Idle
+    # connections are dropped after 2 s, before uvicorn closes them (its keep-alive timeout is 5 s): a request
+    # sent on a connection the server is closing fails with "Server disconnected" before reaching it.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
     timeout = httpx.Timeout(args.request_timeout, connect=args.connect_timeout)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        checker = HealthChecker(pool, client, args.health_interval, args.health_timeout, args.unhealthy_after)
+    # Health checks use a fresh connection each (same race, and a check must not queue behind requests).
+    health_limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client, \
+            httpx.AsyncClient(limits=health_limits) as health_client:
+        checker = HealthChecker(pool, health_client, args.health_interval, args.health_timeout,
+                                args.unhealthy_after)
         await checker.check_all()
         checker.start()
         server = create_server(build_app(pool, client, metrics, args.max_request_bytes), args.host, args.port,

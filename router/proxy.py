@@ -3,16 +3,15 @@
 Owns ``Forwarder`` (the choice between P/D and mixed, the backend calls, relaying the answer) and
 ``ProxyError`` (a failure the router answers itself, with the OpenAI error body).
 
-P/D follows the protocol agreed with the engine side (the ``engine`` P/D module docstring; /tmp/pd_protocol.md
-while it was written): call 1 sends the client's request to a prefill instance with ``max_tokens: 1``,
-``stream: false``, ``n: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``; call 2 sends the client's
-original request plus the ``kv_transfer_params`` object of call 1's answer (opaque here, copied verbatim) to a
-decode instance, whose answer goes to the client unchanged. The decode instance pulls the prompt's KV from the
-prefill instance and recomputes the rest, so a failed or missing prefill (no healthy prefill instance, a
-refused connection, a 5xx, an answer without ``kv_transfer_params``) only costs the decode instance a local
-prefill: the router then makes call 2 without the object. So does a completions request with a batch of
-prompts, which the P/D protocol does not transfer (one prompt per request). A 4xx of call 1 is the client's mistake and is
-answered as is.
+P/D follows the protocol agreed with the engine side (``engine/disaggregation.py``): call 1 sends the client's
+request to a prefill instance with ``max_tokens: 1``, ``stream: false``, ``n: 1`` and
+``kv_transfer_params: {"do_remote_decode": true}``; call 2 sends the client's original request plus the
+``kv_transfer_params`` object of call 1's answer (opaque here, copied verbatim) to a decode instance, whose
+answer goes to the client unchanged. The decode instance pulls the prompt's KV from the prefill instance and
+recomputes the rest, so a failed or missing prefill (no healthy prefill instance, a refused connection, a 5xx,
+an answer without ``kv_transfer_params``) only costs the decode instance a local prefill: the router then makes
+call 2 without the object. So does a completions request with a batch of prompts, which the P/D protocol does
+not transfer (one prompt per request). A 4xx of call 1 is the client's mistake and is answered as is.
 
 Usage: the client gets the decode instance's ``usage`` unchanged: it counts the whole prompt and every
 completion token (the decode instance answers the complete request; call 1's single token is not part of the
@@ -21,8 +20,9 @@ dropped.
 
 Bytes: non-streamed answers are relayed byte-for-byte with their status; streamed answers byte-for-byte too,
 re-chunked on event boundaries (``\\n\\n``) so that a backend dying mid-event never leaves half an event before
-the router's own error event and ``[DONE]``. A request that cannot connect to a mixed backend (it never reached
-it) is retried on another one; any other failure is answered 502 (or an error event once streaming began).
+the router's own error event and ``[DONE]``. A request that cannot connect to a mixed or decode backend (it
+never reached it) is retried on another one of the role; any other failure is answered 502 (or an error event
+once streaming began).
 """
 from __future__ import annotations
 
@@ -118,14 +118,23 @@ class Forwarder:
         self.metrics.requests.labels(endpoint=request.path, mode=mode).inc()
         if mode == "mixed":
             return await self._send_with_retry(Role.MIXED, request.path, request.raw, request.headers)
-        params = await self._prefill(request)
+        # The decode instance is chosen first and counts the request from now on, so concurrent requests
+        # still in call 1 spread over the decode instances (and against mixed ones) by their real load.
+        decode = self.pool.pick(Role.DECODE)
+        decode.in_flight += 1
+        try:
+            params = await self._prefill(request)
+        finally:
+            decode.in_flight -= 1
         decode_body = dict(request.body)
         if params is not None:
             decode_body["kv_transfer_params"] = params
         else:
             decode_body.pop("kv_transfer_params", None)
         raw = json.dumps(decode_body, ensure_ascii=False, separators=(",", ":")).encode()
-        return await self._send(self.pool.pick(Role.DECODE), request.path, raw, request.headers)
+        # Any decode instance can pull the offered blocks, so a refused connection moves on to the next one.
+        return await self._send_with_retry(Role.DECODE, request.path, raw, request.headers,
+                                           first=decode if decode.healthy else None)
 
     # -- P/D call 1
 
@@ -185,11 +194,12 @@ class Forwarder:
 
     # -- sending and relaying
 
-    async def _send_with_retry(self, role: Role, path: str, raw: bytes, headers: dict[str, str]) -> Response:
-        """``_send`` to the best backend of ``role``; on a refused connection, to the next healthy one."""
+    async def _send_with_retry(self, role: Role, path: str, raw: bytes, headers: dict[str, str],
+                               first: Backend | None = None) -> Response:
+        """``_send`` to ``first`` or the best backend of ``role``; on a refused connection, to the next healthy one."""
         tried: list[str] = []
         while True:
-            backend = self.pool.pick(role)  # NoBackendError once every one is out
+            backend, first = first or self.pool.pick(role), None  # pick: NoBackendError once every one is out
             try:
                 return await self._send(backend, path, raw, headers, connect_failure_retriable=True)
             except _ConnectFailed as exc:

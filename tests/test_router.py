@@ -32,6 +32,8 @@ from harness.server import ServerProcess, free_port, prepare_server_child, shm_n
 from inter_communicator.shm import sweep_stale
 from router.backends import Backend, BackendPool, NoBackendError, Role
 from router.cli import parse_args
+from router.metrics import RouterMetrics
+from router.proxy import Forwarder
 from scripts.make_tiny_dense import make_tiny_dense
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ CONTEXT = 16384
 LONG = 16000
 PROMPT = "The quick brown fox"
 TIMEOUT = 60.0
-WAIT_S = 10.0  # bound of every wait for a state change
+WAIT_S = 30.0  # bound of every wait for a state change (the CPU is shared: a loaded one is slow)
 
 
 # ---- fast: the pick, the command line, the imports ---------------------------------------------------------
@@ -63,6 +65,20 @@ def test_pick_is_least_in_flight_then_round_robin() -> None:
     with pytest.raises(NoBackendError, match="no healthy mixed backend.*http://h2:1: gone"):
         pool.pick(Role.MIXED)
     assert pool.least_in_flight(Role.MIXED) is None and pool.least_in_flight(Role.PREFILL) == 0
+
+
+def test_mode_goes_to_the_less_busy_side() -> None:
+    decode, mixed = Backend("http://d:1", Role.DECODE, healthy=True), Backend("http://m:1", Role.MIXED, healthy=True)
+    pool = BackendPool([Backend("http://p:1", Role.PREFILL), decode, mixed])
+    forwarder = Forwarder(pool, client=None, metrics=RouterMetrics(pool))
+    assert forwarder.choose_mode() == "pd"  # a tie; the prefill instance being down only costs a local prefill
+    decode.in_flight = 1
+    assert forwarder.choose_mode() == "mixed"
+    mixed.mark_unhealthy("gone")
+    assert forwarder.choose_mode() == "pd"
+    decode.mark_unhealthy("gone too")
+    with pytest.raises(NoBackendError, match="http://d:1 \\(decode\\): gone too; http://m:1 \\(mixed\\): gone"):
+        forwarder.choose_mode()
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -226,7 +242,8 @@ def test_idle_backends_take_turns_and_a_busy_one_is_avoided(router: RouterProces
 def test_streamed_answer_equals_a_direct_call(router: RouterProcess, backends: list[ServerProcess],
                                               path: str) -> None:
     body = {"max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]})
+    chat = {"messages": [{"role": "user", "content": PROMPT}]}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else chat)
     direct = httpx.post(backends[0].base_url + path, json=body, timeout=TIMEOUT)
     routed = httpx.post(router.base_url + path, json=body, timeout=TIMEOUT)
     assert routed.status_code == direct.status_code == 200
@@ -294,7 +311,8 @@ def pd_request(path: str, prompt: str, stream: bool) -> dict:
     body: dict = {"max_tokens": 24, "temperature": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    body.update({"prompt": prompt} if path == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]})
+    chat = {"messages": [{"role": "user", "content": prompt}]}
+    body.update({"prompt": prompt} if path == "/v1/completions" else chat)
     return body
 
 
