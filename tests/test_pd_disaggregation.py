@@ -267,8 +267,9 @@ def pd_servers():
         "prefill": ServerProcess(*SERVER_ARGS, "--splitwise-role", "prefill", env=ttl, id_prefix="pdp"),
         "lock_off": ServerProcess(*SERVER_ARGS, "--splitwise-role", "decode", env={"FD_USE_KVCACHE_LOCK": "0"},
                                   id_prefix="pdd"),
-        "lock_on": ServerProcess(*SERVER_ARGS, "--splitwise-role", "decode", env={"FD_USE_KVCACHE_LOCK": "1"},
-                                 id_prefix="pdl"),
+        # Lock on, and the sanitizer: every copy into a block checks it is in the state its kind requires (LOAD).
+        "lock_on": ServerProcess(*SERVER_ARGS, "--splitwise-role", "decode",
+                                 env={"FD_USE_KVCACHE_LOCK": "1", "FD_KVCACHE_SANITIZER": "1"}, id_prefix="pdl"),
     }
     try:
         for server in servers.values():
