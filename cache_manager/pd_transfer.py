@@ -65,7 +65,7 @@ class KVTransferEngine:
                                   "(pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"
                                   ) from exc
         self.local_host = local_host
-        self._engine = TransferEngine()
+        self._engine: Any = TransferEngine()
         rc = self._engine.initialize(local_host, TE_METADATA_SERVER, TE_PROTOCOL, "")
         if rc != 0:
             raise PDTransferError(f"Mooncake TransferEngine.initialize({local_host!r}, {TE_METADATA_SERVER!r}, "
@@ -83,7 +83,7 @@ class KVTransferEngine:
         if not array.flags.c_contiguous:
             raise PDTransferError("only a C-contiguous array can be registered")
         address, length = int(array.ctypes.data), int(array.nbytes)
-        rc = self._engine.register_memory(address, length)
+        rc = self._live().register_memory(address, length)
         if rc != 0:
             raise PDTransferError(f"registering {length} bytes at {address:#x} failed with {rc}")
         self._registered[address] = length
@@ -92,7 +92,7 @@ class KVTransferEngine:
     def unregister(self, address: int) -> None:
         if self._registered.pop(address, None) is None:
             return
-        rc = self._engine.unregister_memory(address)
+        rc = self._live().unregister_memory(address)
         if rc != 0:
             logger.warning("unregistering the KV pool at %#x failed with %d", address, rc)
 
@@ -100,7 +100,7 @@ class KVTransferEngine:
         """Copy ``lengths[i]`` bytes from ``remote[i]`` on peer ``session`` to ``local[i]``; all or an error."""
         for start in range(0, len(local), MAX_PIECES_PER_BATCH):
             end = start + MAX_PIECES_PER_BATCH
-            rc = self._engine.batch_transfer_sync_read(session, local[start:end], remote[start:end],
+            rc = self._live().batch_transfer_sync_read(session, local[start:end], remote[start:end],
                                                        lengths[start:end])
             if rc != 0:
                 raise PDTransferError(f"reading {len(local[start:end])} pieces ({sum(lengths[start:end])} bytes) "
@@ -111,14 +111,23 @@ class KVTransferEngine:
         """The push direction (benchmarks only): ``local[i]`` -> ``remote[i]`` on ``session``."""
         for start in range(0, len(local), MAX_PIECES_PER_BATCH):
             end = start + MAX_PIECES_PER_BATCH
-            rc = self._engine.batch_transfer_sync_write(session, local[start:end], remote[start:end],
+            rc = self._live().batch_transfer_sync_write(session, local[start:end], remote[start:end],
                                                         lengths[start:end])
             if rc != 0:
                 raise PDTransferError(f"writing {len(local[start:end])} pieces to {session} failed with {rc}")
 
+    def _live(self) -> Any:
+        if self._engine is None:
+            raise PDTransferError(f"the transfer engine at {self.session} is closed")
+        return self._engine
+
     def close(self) -> None:
+        """Unregister everything and drop the engine: its destructor stops its threads and closes its port (~1 s)."""
+        if self._engine is None:
+            return
         for address in list(self._registered):
             self.unregister(address)
+        self._engine = None
 
 
 @dataclass
