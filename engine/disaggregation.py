@@ -25,7 +25,12 @@ Protocol (agreed with the router, which makes exactly two plain HTTP calls; /tmp
    instance's prefix-cache-hit output (greedy); ``usage.prompt_tokens_details.cached_tokens`` counts the
    transferred tokens. When the read reported (either way), or the offer was not used (device hits,
    no room, the request ended first), the decode engine sends the release of ``transfer_id`` to the
-   prefill instance's ``release_endpoint`` (ZMQ PUSH over TCP, fire and forget; the TTL covers a lost one).
+   prefill instance's ``release_endpoint`` (ZMQ PUSH over TCP, the transfer id as UTF-8 bytes, fire and forget;
+   the TTL covers a lost one).
+
+Trust: a prefill instance's transfer engine lets any peer that can reach it read its registered KV pool, and
+its release socket accepts any transfer id (an unknown id is counted and ignored, and the ids are random
+UUIDs): keep ``--pd-host`` on a network only the fleet reaches.
 
 Failures: an offer that is malformed, describes another model / block size / layout, or whose hold ends
 within PD_EXPIRY_MARGIN_S is logged and ignored (the request prefills locally; no read starts that close
@@ -57,14 +62,10 @@ logger = logging.getLogger(__name__)
 
 # Releases one decode engine may queue for one prefill instance that is not reading them (gone, slow).
 RELEASE_SNDHWM = 10000
+# A release message is the transfer id as UTF-8, nothing else: the socket listens on the network, so it never
+# unpickles (a pickle from a peer could run code). Longer messages are dropped.
+MAX_RELEASE_BYTES = 256
 FINISH_REASONS_HELD = ("stop", "length")
-
-
-@dataclass
-class ReleaseMessage:
-    """Decode -> prefill engine: the decode side is done with the blocks of ``transfer_id``."""
-
-    transfer_id: str
 
 
 @dataclass
@@ -132,14 +133,13 @@ class PrefillSide:
         """Apply the releases that arrived and end the holds past their TTL."""
         while True:
             try:
-                message = self.release_socket.recv_pyobj(flags=zmq.NOBLOCK)
+                message = self.release_socket.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            except Exception:  # a peer sent something undecodable: drop it, keep serving
-                logger.exception("undecodable message on the P/D release socket dropped")
+            if len(message) > MAX_RELEASE_BYTES:
+                logger.warning("a %d-byte message on the P/D release socket dropped", len(message))
                 continue
-            if isinstance(message, ReleaseMessage):
-                self._release(message.transfer_id, "pd_released")
+            self._release(message.decode("utf-8", errors="replace"), "pd_released")
         now = self._clock()
         for transfer_id in [t for t, h in self._holds.items() if h.expires <= now]:
             logger.warning("P/D hold %s expired after %.0f s without a release; its blocks are freed",
@@ -232,13 +232,21 @@ class DecodeSide:
     def _send_release(self, endpoint: str, transfer_id: str) -> None:
         sock = self._peers.get(endpoint)
         if sock is None:
+            if not endpoint.startswith("tcp://"):
+                logger.warning("P/D release of %s not sent: %r is not a tcp:// endpoint", transfer_id, endpoint[:100])
+                return
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, RELEASE_SNDHWM)
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                logger.warning("P/D release of %s not sent: cannot connect to %r: %s", transfer_id, endpoint[:100], exc)
+                return
             self._peers[endpoint] = sock
         try:
-            sock.send_pyobj(ReleaseMessage(transfer_id), flags=zmq.NOBLOCK)
+            sock.send(transfer_id.encode("utf-8"), flags=zmq.NOBLOCK)
             self.stats["pd_releases_sent"] += 1
         except zmq.ZMQError as exc:  # the peer's queue is full (it is gone): its TTL frees the blocks
             logger.warning("P/D release of %s to %s not sent: %s", transfer_id, endpoint, exc)
