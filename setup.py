@@ -22,6 +22,7 @@ setup(
         "cache_manager",
         "cache_manager.transfer_factory",
         "inter_communicator",
+        "router",
     ],
     py_modules=["envs", "launch"],
     install_requires=[
@@ -38,6 +39,7 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus-client",
+        "httpx",  # the router's backend calls (python -m router)
         "llguidance>=1.0",  # structured output: token masks from JSON schemas, regexes and grammars
     ],
     extras_require={
