@@ -30,11 +30,21 @@ BASELINE_BF16 = "fdserve-bf16"
 
 
 def _load_runs(pattern: str) -> list[dict]:
+    """The serving.py reports matching ``pattern``, each with ``load_avg_1m`` [before, after] when recorded."""
     runs = []
     for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8") as handle:
-            runs.append(json.load(handle))
+            run = json.load(handle)
+        run["load_avg_1m"] = _load_average(f"{path}.load")
+        runs.append(run)
     return runs
+
+
+def _load_average(path: str) -> list[float] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return [float(value) for value in handle.read().split()]
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -54,6 +64,7 @@ def serving_cell(runs: list[dict]) -> dict[str, Any]:
         "ttft_p99_ms": _median([run["ttft_ms"]["p99"] for run in runs]),
         "tpot_p50_ms": _median([run["tpot_ms"]["p50"] for run in runs]),
         "per_round_tok_s": [run["output_throughput_tps"] for run in runs],
+        "per_round_load_avg_1m": [run["load_avg_1m"] for run in runs],
         "failed": sum(run["failed"] for run in runs),
         "rounds": len(runs),
     }
@@ -103,7 +114,8 @@ def ttft_table(work: str, servers: list[str], lengths: list[int]) -> list[dict]:
             runs = _load_runs(os.path.join(work, f"{server}.ttft.L{length}.r*.json"))
             p50 = _median([run["ttft_ms"]["p50"] for run in runs])
             row[server] = {"ttft_s": round(p50 / 1000.0, 3) if p50 is not None else None,
-                           "failed": sum(run["failed"] for run in runs), "rounds": len(runs)}
+                           "failed": sum(run["failed"] for run in runs), "rounds": len(runs),
+                           "per_round_load_avg_1m": [run["load_avg_1m"] for run in runs]}
         for server in servers:
             if server != BASELINE and BASELINE in row:
                 row[server]["fdserve_over_peer"] = _ratio(row[BASELINE]["ttft_s"], row[server]["ttft_s"])

@@ -236,26 +236,34 @@ start_server() {  # name port; sets SERVER_PID. setsid: each server leads its ow
     wait_healthy "$port" "$name"
 }
 
+load_1m() { cut -d' ' -f1 /proc/loadavg; }
+
 run_serving() {  # name port concurrency round
-    local out="$WORK_DIR/$1.c$3.r$4.json" requests="$NUM_REQUESTS" status=0
+    local out="$WORK_DIR/$1.c$3.r$4.json" requests="$NUM_REQUESTS" status=0 load_before
     (( $3 == 1 )) && requests="$C1_REQUESTS"
+    # The machine's 1-minute load average before and after each run, next to its report: on a shared
+    # machine it tells which figures were taken under which load.
+    load_before="$(load_1m)"
     "$PYTHON" "$REPO_ROOT/benchmarks/serving.py" --port "$2" --num-requests "$requests" --concurrency "$3" \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --stream \
         --warmup "$(( $3 < 4 ? $3 : 4 ))" --seed "$4" --label "$1" --out "$out" >/dev/null || status=$?
     [[ -f "$out" ]] || { log "ERROR: serving.py against $1 (c=$3) wrote no report (exit $status)"; exit 5; }
-    log "$1 c=$3 round $4: $("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+    echo "$load_before $(load_1m)" >"$out.load"
+    log "$1 c=$3 round $4 (load $(cat "$out.load")): $("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1]))
 print(r["output_throughput_tps"], "tok/s, TTFT p50", r["ttft_ms"]["p50"], "ms,", r["failed"], "failed")' "$out")"
 }
 
 run_ttft() {  # name port length round warmup
-    local out="$WORK_DIR/$1.ttft.L$3.r$4.json" status=0
+    local out="$WORK_DIR/$1.ttft.L$3.r$4.json" status=0 load_before
+    load_before="$(load_1m)"
     # A few output tokens: the first may decode to no text (a partial UTF-8 sequence), and TTFT is
     # the first chunk that carries text.
     "$PYTHON" "$REPO_ROOT/benchmarks/serving.py" --port "$2" --num-requests "$TTFT_REQUESTS" --concurrency 1 \
         --input-len "$3" --output-len 4 --ignore-eos --stream --warmup "$5" --seed "$(( 100 * $4 + $3 ))" \
         --label "$1 ttft L=$3" --out "$out" >/dev/null || status=$?
     [[ -f "$out" ]] || { log "ERROR: serving.py against $1 (L=$3) wrote no report (exit $status)"; exit 5; }
-    log "$1 prompt $3 tokens round $4: TTFT p50 $("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+    echo "$load_before $(load_1m)" >"$out.load"
+    log "$1 prompt $3 tokens round $4 (load $(cat "$out.load")): TTFT p50 $("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1]))
 print(r["ttft_ms"]["p50"], "ms,", r["failed"], "failed")' "$out")"
 }
 

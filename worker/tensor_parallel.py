@@ -127,8 +127,10 @@ def paddle_all_reduce(reduce: Callable[[np.ndarray], np.ndarray]) -> Callable[[p
 
 # How long the ranks wait for each other at start-up (model loading on a busy machine included).
 RENDEZVOUS_TIMEOUT_S = 600.0
-# How long rank 0 may block handing a message to a peer (a live peer takes it at once: ZMQ queues it).
+# How long rank 0 may block handing a step to a peer (a live peer takes it at once: ZMQ queues it).
 FAN_OUT_TIMEOUT_MS = 10_000
+# The stop message: a peer that already stopped (a signal reached the whole group) is not waited for.
+STOP_FAN_OUT_TIMEOUT_MS = 200
 _RENDEZVOUS_POLL_MS = 200
 
 
@@ -175,7 +177,6 @@ class TensorParallelGroup:
             self._peers = []
             for rank in range(1, tp_size):
                 sock = context.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDTIMEO, FAN_OUT_TIMEOUT_MS)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.bind(tp_fan_out_address(batch_addr, rank))
                 self._peers.append(sock)
@@ -236,19 +237,21 @@ class TensorParallelGroup:
                 raise TPCommunicationError(f"TP rank {self.tp_rank}: no hello from rank 0 within "
                                            f"{RENDEZVOUS_TIMEOUT_S:.0f} s")
 
-    def fan_out(self, message: object) -> None:
-        """Rank 0: hand ``message`` to every peer (pickled once)."""
+    def fan_out(self, message: object, timeout_ms: int = FAN_OUT_TIMEOUT_MS) -> None:
+        """Rank 0: hand ``message`` to every peer (pickled once); a peer that takes nothing within
+        ``timeout_ms`` (gone: ZMQ has no pipe to queue into) raises ``TPCommunicationError``."""
         import pickle
 
         import zmq
 
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sock in enumerate(self._peers, start=1):
+            if not sock.poll(timeout_ms, zmq.POLLOUT):
+                raise TPCommunicationError(f"TP rank {rank} took no message for {timeout_ms} ms (dead or stuck)")
             try:
-                sock.send(payload)
+                sock.send(payload, zmq.NOBLOCK)
             except zmq.Again as exc:
-                raise TPCommunicationError(f"TP rank {rank} took no message for {FAN_OUT_TIMEOUT_MS} ms "
-                                           "(dead or stuck)") from exc
+                raise TPCommunicationError(f"TP rank {rank} refused a message (dead or stuck)") from exc
 
     def receive(self, timeout_ms: int) -> object | None:
         """A peer: the next message from rank 0, or None after ``timeout_ms``."""

@@ -186,10 +186,10 @@ class Worker:
             self._stop_followers()
 
     def _stop_followers(self) -> None:
-        from worker.tensor_parallel import TPCommunicationError
+        from worker.tensor_parallel import STOP_FAN_OUT_TIMEOUT_MS, TPCommunicationError
 
         try:
-            self.tp.fan_out(WorkerShutdown("TP rank 0 is stopping"))
+            self.tp.fan_out(WorkerShutdown("TP rank 0 is stopping"), timeout_ms=STOP_FAN_OUT_TIMEOUT_MS)
         except TPCommunicationError as exc:  # a peer already gone: the engine stops or restarts it anyway
             logger.warning("could not tell every TP rank to stop: %s", exc)
 

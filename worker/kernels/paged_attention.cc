@@ -447,7 +447,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                      kt_of(seq, kv_head));
     }
 #endif
-    if (threads > 1) {
+    if (threads > 1 && num_jobs > 0) {  // items read the transposed keys; decode-only steps have none
 #pragma omp barrier
     }
     Scratch scratch;
