@@ -57,6 +57,8 @@ _VARIABLES: dict[str, tuple[Callable[[str], Any], Any, str]] = {
                                   "the engine kills and restarts it, failing its transfers."),
     "FD_ENGINE_FAULT_RAISE_IN_UPDATE": (_opt_str, None, "TEST ONLY: the engine raises while processing the "
                                         "results of a step that holds a request whose id contains this string."),
+    "FD_PD_HOLD_TTL_S": (float, 30.0, "Seconds a P/D prefill instance keeps a finished request's KV blocks for "
+                         "the decode instance to read, unless the decode side releases them earlier."),
     "FD_LOG_LEVEL": (str, "INFO", "Log level of every fdserve process."),
     "FD_INSTANCE_ID": (_opt_str, None, "Namespace for shared-memory and semaphore names (default: derived from the port)."),
     "FD_NUM_THREADS": (int, 0, "Compute threads per worker (0: the cores available to the process)."),

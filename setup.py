@@ -22,6 +22,7 @@ setup(
         "cache_manager",
         "cache_manager.transfer_factory",
         "inter_communicator",
+        "router",
     ],
     py_modules=["envs", "launch"],
     # The native kernels are compiled from these sources on first use (worker/kernels/build.py).
@@ -40,6 +41,7 @@ setup(
         "pydantic>=2",
         "tqdm",
         "prometheus-client",
+        "httpx",  # the router's backend calls (python -m router)
         "llguidance>=1.0",  # structured output: token masks from JSON schemas, regexes and grammars
     ],
     extras_require={

@@ -10,7 +10,7 @@ class BlockState(enum.IntEnum):
     CACHED = 2  # holds a cached prefix, no reference: evictable
     SWAP_OUT = 3  # being copied device -> host: read-only for the transfer process, not reusable
     SWAP_IN = 4  # being filled host -> device: nobody else may touch it
-    LOAD = 5  # being filled storage -> device: nobody else may touch it
+    LOAD = 5  # being filled storage (or a P/D prefill instance) -> device: nobody else may touch it
     WRITE_BACK = 6  # being copied device -> storage: read-only for the transfer process, not reusable
 
 
@@ -20,6 +20,7 @@ TRANSFER_REQUIRED_STATE = {
     "swap_in": BlockState.SWAP_IN,
     "write_back": BlockState.WRITE_BACK,
     "prefetch": BlockState.LOAD,
+    "remote_read": BlockState.LOAD,  # P/D: filled from another instance's pool, exactly like a prefetch
 }
 
 

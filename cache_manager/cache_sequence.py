@@ -2,7 +2,8 @@
 
 The engine's ``Sequence`` satisfies this protocol; the cache manager depends on the protocol, not on the
 engine, so the layers run one way (engine -> cache_manager). The cache manager writes ``block_table``,
-``block_hashes``, ``num_computed_tokens``, ``num_cached_tokens`` and ``skip_cache_once``; the engine owns the rest.
+``block_hashes``, ``num_computed_tokens``, ``num_cached_tokens``, ``skip_cache_once`` and ``remote_prefill`` (set
+to None once used); the engine owns the rest. ``remote_prefill`` is optional (read with getattr).
 """
 from __future__ import annotations
 

@@ -5,13 +5,16 @@ every TP rank's device segment and moves all shards of a block as one unit (one 
 ``TransferDone``; a block is stored or loaded only if every shard is). It owns:
 - the host KV pool segments, one per TP rank's shard (created here, unlinked on every exit path);
 - the storage backend client (``--kvcache-storage-backend``) and its reusable staging buffers;
-- the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch) and
-  ``ClearStorage``, answered with ``TransferStarted`` / ``TransferDone`` over ZMQ;
+- the execution of ``TransferTask`` messages (swap_out, swap_in, write_back, prefetch, and P/D's
+  remote_read: another instance's blocks read into ours with the Mooncake transfer engine,
+  cache_manager/pd_transfer.py) and ``ClearStorage``, answered with ``TransferStarted`` /
+  ``TransferDone`` over ZMQ;
 - its readiness flag and heartbeat in ``InstanceSignals``.
 
 The device pool belongs to the worker; this process only maps it. Every copy that touches it runs
 under the KV-cache lock (when enabled); storage I/O does not, except the reads of a prefetch's
-chunks after its first (one hold covers a whole fill, see ``_prefetch``). Correctness rests on
+chunks after its first (one hold covers a whole fill, see ``_prefetch``); a remote_read's network
+reads are staged the same way (``_remote_read``). Correctness rests on
 block states (the engine never lets execute_model touch a block in transfer); with
 FD_KVCACHE_SANITIZER=1 this process checks them before touching a device block.
 """
@@ -43,6 +46,7 @@ from cache_manager.kv_layout import (
     host_cache_shape,
     shard_storage_keys,
 )
+from cache_manager.pd_transfer import PD_EXPIRY_MARGIN_S, KVTransferEngine, PDTransferError, block_segments
 from cache_manager.transfer_factory.base import KVStorageBackend
 from cache_manager.transfer_factory.factory import create_storage_backend
 from config.engine_config import EngineConfig
@@ -68,6 +72,8 @@ HEARTBEAT_INTERVAL_S = 0.5
 # touched when used); larger tasks run in chunks of this many blocks. 16 SmolLM2 blocks of 64
 # tokens are 47 MB.
 STAGING_BLOCKS = 16
+# P/D: blocks one remote_read stages per network round (device layout, registered with the transfer engine).
+PD_STAGING_BLOCKS = 16
 # Give the engine time to receive the last TransferDone before the socket is dropped at exit.
 DONE_LINGER_MS = 500
 # Seconds between a stop request (signal, dead parent) and a forced exit if clean-up blocks.
@@ -152,6 +158,8 @@ class CacheTransferManager:
         self.task_socket: zmq.Socket | None = None
         self.done_socket: zmq.Socket | None = None
         self._heartbeat: _Heartbeat | None = None
+        self.pd_engine: KVTransferEngine | None = None  # started by the first remote_read (P/D decode side)
+        self.pd_staging: np.ndarray | None = None  # registered with pd_engine: where remote blocks land first
         try:
             self._open(task_addr, done_addr)
         except BaseException:
@@ -203,6 +211,10 @@ class CacheTransferManager:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self.pd_engine is not None:
+            self.pd_engine.close()  # unregister before the staging pool is dropped
+            self.pd_engine = None
+            self.pd_staging = None
         if self.signals is not None:
             self.signals.cache_transfer_ready.value[self.tp_rank] = 0
             self.signals.close()
@@ -300,6 +312,8 @@ class CacheTransferManager:
             return self._write_back(task)
         if task.kind == "prefetch":
             return self._prefetch(task)
+        if task.kind == "remote_read":
+            return self._remote_read(task)
         raise TransferTaskError(f"unknown transfer kind {task.kind!r} (expected one of {TRANSFER_KINDS})")
 
     # ---- the four kinds ----------------------------------------------------------------------
@@ -415,6 +429,84 @@ class CacheTransferManager:
         keys = self._shard_keys(task.storage_keys[chunk])
         buffers = [staging[row] for staging in self.stagings for row in range(count)]
         return self._all_shards(_results(backend.batch_get(keys, buffers), len(keys), "batch_get"), count)
+
+    def _remote_read(self, task: TransferTask) -> list[bool]:
+        """P/D: another instance's blocks -> our LOAD blocks, staged like a prefetch's storage reads.
+
+        The network read lands in a registered staging pool (device layout, ``PD_STAGING_BLOCKS``
+        blocks), outside the lock: a slow or hung peer (the transfer engine gives up after 30 s
+        without progress) then stalls only this process, never execute_model. The copy into the
+        device pool runs under the lock, which, as in ``_prefetch``, is taken before TransferStarted
+        and kept until the last chunk is copied, so the reads of chunks after the first run under it.
+        The peer pinned its blocks until we release them (the engine does once this task reported),
+        so they do not change while we read. A failed chunk fails it and every later block: the
+        sequence recomputes from there.
+        """
+        remote = task.remote
+        if remote is None:
+            raise TransferTaskError(f"remote_read task {task.task_id} names no remote blocks")
+        device_ids = self._device_ids(task)
+        _require_pairs(task, len(remote.block_ids), "remote block ids")
+        self._check_states(task, device_ids)
+        count = len(device_ids)
+        try:
+            engine, staging = self._pd_transfer_engine()
+        except PDTransferError as exc:
+            logger.error("remote_read task %s: %s", task.task_id, exc)
+            return [False] * count
+        rows = staging.shape[2]
+        chunks = [slice(start, min(start + rows, count)) for start in range(0, count, rows)]
+        if not chunks or not self._read_remote_chunk(task, engine, staging, chunks[0]):
+            return [False] * count
+        ok: list[bool] = []
+        with self.lock.hold("remote_read"):
+            self._send_started(task)
+            for index, chunk in enumerate(chunks):
+                if index and not self._read_remote_chunk(task, engine, staging, chunk):
+                    break
+                self._fault_slow_fill()
+                chunk_ids = device_ids[chunk]
+                self._check_states(task, chunk_ids)
+                self.device[:, :, chunk_ids] = staging[:, :, :len(chunk_ids)]
+                ok.extend([True] * len(chunk_ids))
+        return ok + [False] * (count - len(ok))
+
+    def _read_remote_chunk(self, task: TransferTask, engine: KVTransferEngine, staging: np.ndarray,
+                           chunk: slice) -> bool:
+        """The peer's blocks ``remote.block_ids[chunk]`` into staging rows 0..; False (logged) on failure."""
+        remote = task.remote
+        remaining = remote.expires_at - time.time()
+        if remaining < PD_EXPIRY_MARGIN_S:
+            logger.error("remote_read task %s: the hold on %s ends in %.1f s; blocks %d-%d not read (recomputed)",
+                         task.task_id, remote.session, remaining, chunk.start, chunk.stop - 1)
+            return False
+        peer_ids = remote.block_ids[chunk]
+        pieces = block_segments(self.config.model.num_hidden_layers * 2, staging[0, 0, 0].nbytes,
+                                int(staging.ctypes.data), staging.shape[2], remote.kv_addr, remote.num_blocks,
+                                list(zip(range(len(peer_ids)), peer_ids)))
+        try:
+            engine.read(remote.session, *pieces)
+        except PDTransferError as exc:
+            logger.error("remote_read task %s (blocks %d-%d of %d from %s) failed: %s", task.task_id, chunk.start,
+                         chunk.stop - 1, len(remote.block_ids), remote.session, exc)
+            return False
+        return True
+
+    def _pd_transfer_engine(self) -> tuple[KVTransferEngine, np.ndarray]:
+        """The transfer engine and its registered staging pool, made on first use (P/D decode instances only)."""
+        if self.pd_engine is None:
+            model, block_size = self.config.model, self.config.cache.block_size
+            rows = min(PD_STAGING_BLOCKS, self.config.cache.num_gpu_blocks)
+            staging = np.empty(device_cache_shape(model, rows, block_size), dtype=np.float32)
+            engine = KVTransferEngine(self.config.pd.host)
+            try:
+                engine.register(staging)
+            except PDTransferError:
+                engine.close()
+                raise
+            self.pd_engine, self.pd_staging = engine, staging
+            logger.info("P/D transfer engine up at %s (%d staging blocks registered)", engine.session, rows)
+        return self.pd_engine, self.pd_staging
 
     # ---- helpers -----------------------------------------------------------------------------
 

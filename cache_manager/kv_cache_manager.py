@@ -9,6 +9,11 @@
   with a ``StorageLookup`` (storage_lookup.py) it asks the store at admission which blocks exist,
   so blocks other instances, DP ranks or earlier processes stored are prefetched too.
 
+P/D disaggregation uses it on both sides: a decode instance's sequence may carry a prefill
+instance's offer (``remote_prefill``): its blocks are one more fill source ("remote", between host
+and storage), read by the transfer process; a prefill instance ``hold``s a finished request's full
+blocks (one extra reference each) until the decode side released them (``release_held``).
+
 It decides admission (the prefix match and what committing it costs) and
 registers blocks that became full. Correctness rests on block states, not on
 the KV-cache lock: a block being filled belongs to one sequence that is not
@@ -29,6 +34,7 @@ from cache_manager.block_hash import ROOT_HASH, hash_block
 from cache_manager.block_pool import BlockAllocationError, BlockPool, DeviceBlock
 from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
+from cache_manager.pd_transfer import RemotePrefill
 from cache_manager.prefix_index import PrefixIndex
 from cache_manager.storage_lookup import StorageLookup
 from cache_manager.transfer_planner import CacheStats, TransferPlanner
@@ -44,7 +50,7 @@ class PrefixMatch:
 
     hit_block_ids: list[int] = field(default_factory=list)  # device blocks shared as they are
     hit_hashes: list[str] = field(default_factory=list)
-    fills: list[tuple[str, str]] = field(default_factory=list)  # (hash, "host" | "storage"), after the hits
+    fills: list[tuple[str, str]] = field(default_factory=list)  # (hash, "host" | "remote" | "storage"), after the hits
     num_evictable_hits: int = 0  # hits that are unreferenced cached blocks: sharing takes them off the free count
     clears_skip_cache: bool = False
 
@@ -183,7 +189,8 @@ class KVCacheManager:
             while device_hits < len(hashes) and self.index.has_device(hashes[device_hits]):
                 device_hits += 1
             self.transfers.lookup_storage(hashes[device_hits:])
-        for block_hash in hashes:
+        remote = getattr(seq, "remote_prefill", None) if use_lower_tiers else None
+        for position, block_hash in enumerate(hashes):
             block_id = None if result.fills else self.index.device_block(block_hash)
             if block_id is not None:
                 result.hit_block_ids.append(block_id)
@@ -192,6 +199,9 @@ class KVCacheManager:
                     result.num_evictable_hits += 1
                 continue
             source = self.transfers.lower_tier_source(block_hash) if use_lower_tiers else None
+            if source != "host" and remote is not None and position < len(remote.block_hashes) \
+                    and remote.block_hashes[position] == block_hash:
+                source = "remote"  # a P/D prefill instance holds it: fresher and nearer than storage
             if source is None or self.num_free_blocks - result.num_evictable_hits <= len(result.fills):
                 break
             result.fills.append((block_hash, source))
@@ -247,11 +257,36 @@ class KVCacheManager:
         self.stats.device_hit_tokens += len(found.hit_block_ids) * self.block_size
         if found.fills:
             self.transfers.start_fills(seq, found.fills)
+        self.transfers.settle_remote_offer(seq)
         # Counted as computed now; the scheduler does not run the sequence until the fills landed,
         # and a failed fill lowers it again (TransferPlanner._finish_plan).
         seq.num_computed_tokens = len(seq.block_hashes) * self.block_size
         if seq.num_cached_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
+
+    # ---- P/D: a prefill instance holds a finished request's blocks for a decode instance --------
+
+    def hold(self, seq: CacheSequence, num_blocks: int) -> list[int]:
+        """One extra reference on ``seq``'s first ``num_blocks`` blocks, so freeing ``seq`` keeps them.
+
+        A held block is IN_USE: never evicted, offloaded or handed to another sequence, and (full and
+        shared) never written; so a peer may read it until ``release_held``.
+        """
+        if not 0 <= num_blocks <= len(seq.block_table):
+            raise ValueError(f"{seq.request_id}: cannot hold {num_blocks} of its {len(seq.block_table)} blocks")
+        held = list(seq.block_table[:num_blocks])
+        for block_id in held:
+            self.pool.share(block_id)
+        return held
+
+    def release_held(self, block_ids: list[int]) -> None:
+        """Drop the references ``hold`` took."""
+        for block_id in block_ids:
+            self.pool.release(block_id)
+
+    def take_finished_offers(self) -> list[RemotePrefill]:
+        """P/D decode side: prefill offers read or not needed; the engine releases them."""
+        return self.transfers.take_finished_offers()
 
     def is_loading(self, seq: CacheSequence, started_is_enough: bool = False) -> bool:
         """True while the sequence waits for fills. ``started_is_enough`` is the test-only fault mode."""

@@ -2,8 +2,11 @@
 
 Owns the lower tiers' policy and the copies in flight:
 
-- fills: a sequence admitted with host or storage hits gets fresh device blocks,
-  filled by SWAP_IN / LOAD tasks (one ``LoadPlan`` per sequence); it is not
+- fills: a sequence admitted with host, storage or remote hits gets fresh device blocks,
+  filled by SWAP_IN / LOAD tasks (one ``LoadPlan`` per sequence); "remote" blocks are a P/D
+  prefill instance's (the sequence's ``remote_prefill`` offer, read by a ``remote_read`` task;
+  the offer is handed back through ``take_finished_offers`` once that read reported, so the engine
+  releases the prefill side's hold); it is not
   scheduled until every fill reported (``is_loading``), and a fill that runs past
   ``transfer_timeout_s`` is handed to the scheduler to preempt (``expired_loads``);
 - offload: when free device blocks fall under the watermark, the coldest cached
@@ -31,10 +34,11 @@ from cache_manager.block_state import BlockState
 from cache_manager.cache_sequence import CacheSequence
 from cache_manager.host_pool import HostPool
 from cache_manager.kv_layout import shard_storage_keys, storage_key
+from cache_manager.pd_transfer import RemotePrefill
 from cache_manager.prefix_index import PrefixIndex
 from cache_manager.storage_lookup import StorageLookup
 from config.engine_config import CacheConfig
-from inter_communicator.messages import TransferDone, TransferTask
+from inter_communicator.messages import RemoteBlocks, TransferDone, TransferTask
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class LoadPlan:
     seq: CacheSequence
     block_hashes: list[str]  # hashes of seq.block_table[:len(block_hashes)]
     first_fill: int = 0  # block index of the first filled block (the ones before are device hits)
-    fill_sources: dict[int, str] = field(default_factory=dict)  # block index -> "host" | "storage"
+    fill_sources: dict[int, str] = field(default_factory=dict)  # block index -> "host" | "storage" | "remote"
     cancelled: bool = False  # the sequence was freed or preempted while its fills ran
     pending_tasks: set[int] = field(default_factory=set)
     failed_from: int | None = None  # first block index whose fill failed
@@ -74,6 +78,9 @@ class CacheStats:
     storage_lookup_misses: int = 0  # blocks they did not find (timeouts included)
     storage_lookup_timeouts: int = 0  # calls that did not answer within FD_STORAGE_LOOKUP_TIMEOUT_S
     storage_lookup_seconds: float = 0.0  # time the engine spent waiting for them
+    remote_reads: int = 0  # P/D: remote_read tasks issued (one per request served from a prefill instance)
+    remote_hit_tokens: int = 0  # prompt tokens whose KV came from a prefill instance
+    remote_failed_blocks: int = 0  # blocks a remote read could not get (recomputed locally instead)
 
 
 class TransferPlanner:
@@ -99,6 +106,8 @@ class TransferPlanner:
         self._plans: dict[int, LoadPlan] = {}  # task id -> plan waiting for it
         self._plans_by_seq: dict[str, LoadPlan] = {}
         self._num_swapping_out = 0
+        self._remote_offers: dict[int, RemotePrefill] = {}  # remote_read task id -> the offer it reads
+        self._finished_offers: list[RemotePrefill] = []  # offers read or given up: the engine releases them
 
     @property
     def num_in_flight(self) -> int:
@@ -157,9 +166,19 @@ class TransferPlanner:
                         deadline=self._clock() + self.config.transfer_timeout_s)
         swap_in: list[tuple[int, int, str]] = []
         prefetch: list[tuple[int, str]] = []
+        remote: list[tuple[int, str, int]] = []  # (device block, hash, the prefill instance's block)
+        offer: RemotePrefill | None = getattr(seq, "remote_prefill", None)
         for block_hash, source in fills:
             block_id = self._pool.take()
-            plan.fill_sources[len(seq.block_table)] = source
+            position = len(seq.block_table)
+            plan.fill_sources[position] = source
+            if source == "remote":
+                if offer is None or position >= len(offer.block_ids):
+                    raise KeyError(f"remote fill of block {position} of {seq.request_id}, which has no such offer")
+                seq.block_table.append(block_id)
+                plan.block_hashes.append(block_hash)
+                remote.append((block_id, block_hash, offer.block_ids[position]))
+                continue
             seq.block_table.append(block_id)
             plan.block_hashes.append(block_hash)
             if source == "host":
@@ -179,6 +198,26 @@ class TransferPlanner:
         if prefetch:
             task = self._new_task("prefetch", [d for d, _ in prefetch], keys=[self._key(b) for _, b in prefetch])
             self._issue(task, [b for _, b in prefetch], BlockState.LOAD, plan)
+        if remote:
+            task = self._new_task("remote_read", [d for d, _, _ in remote])
+            task.remote = RemoteBlocks(offer.session, offer.kv_addr, offer.num_blocks, [r for _, _, r in remote],
+                                       offer.transfer_id, offer.expires_at)
+            self._remote_offers[task.task_id] = offer
+            self.stats.remote_reads += 1
+            self._issue(task, [b for _, b, _ in remote], BlockState.LOAD, plan)
+            seq.remote_prefill = None  # read once: a later admission (after a preemption) recomputes
+
+    def settle_remote_offer(self, seq: CacheSequence) -> None:
+        """After admission: an offer no fill used (device hits covered it, no room) is handed back now."""
+        offer: RemotePrefill | None = getattr(seq, "remote_prefill", None)
+        if offer is not None:
+            seq.remote_prefill = None
+            self._finished_offers.append(offer)
+
+    def take_finished_offers(self) -> list[RemotePrefill]:
+        """Offers whose read reported (or that no fill used): the engine releases the prefill side's hold."""
+        offers, self._finished_offers = self._finished_offers, []
+        return offers
 
     def cancel_fills(self, seq: CacheSequence) -> None:
         """``seq`` lets go of its blocks: its fills' blocks stay quarantined until the copies report."""
@@ -341,7 +380,7 @@ class TransferPlanner:
         if done.error:
             logger.error("transfer %d (%s) failed: %s", done.task_id, task.kind, done.error)
         handler = {"swap_out": self._swap_out_done, "swap_in": self._fill_done, "prefetch": self._fill_done,
-                   "write_back": self._write_back_done}[task.kind]
+                   "remote_read": self._fill_done, "write_back": self._write_back_done}[task.kind]
         handler(task, hashes, ok)
         plan = self._plans.pop(done.task_id, None)
         if plan is not None:
@@ -368,12 +407,17 @@ class TransferPlanner:
         for i, block_id in enumerate(task.device_block_ids):
             if task.kind == "swap_in":
                 self._host.unpin(task.host_block_ids[i])
+            elif task.kind == "remote_read":
+                self.stats.remote_failed_blocks += 0 if ok[i] else 1
             elif not ok[i]:
                 self.stats.storage_miss_blocks += 1
                 # Gone from storage (evicted, corrupt, the store restarted): write it again next time.
                 self._stored.discard(hashes[i])
                 self._known_missing[hashes[i]] = self._clock() + NEGATIVE_LOOKUP_TTL_S
             self._pool.end_copy(block_id)
+        offer = self._remote_offers.pop(task.task_id, None)
+        if offer is not None:
+            self._finished_offers.append(offer)
 
     def _write_back_done(self, task: TransferTask, hashes: list[str], ok: list[bool]) -> None:
         for block_hash, success in zip(hashes, ok):
@@ -410,9 +454,10 @@ class TransferPlanner:
             block_hash = plan.block_hashes[index]
             if not self._index.has_device(block_hash):
                 self._pool.register(seq.block_table[index], block_hash)
-        host_hits = sum(1 for i in range(first_fill, loaded) if plan.fill_sources.get(i) == "host")
-        self.stats.host_hit_tokens += host_hits * self.block_size
-        self.stats.storage_hit_tokens += (loaded - first_fill - host_hits) * self.block_size
+        sources = [plan.fill_sources.get(i) for i in range(first_fill, loaded)]
+        self.stats.host_hit_tokens += sources.count("host") * self.block_size
+        self.stats.remote_hit_tokens += sources.count("remote") * self.block_size
+        self.stats.storage_hit_tokens += sources.count("storage") * self.block_size
         if plan.failed_from is not None:
             seq.block_hashes = plan.block_hashes[:loaded]
             seq.num_computed_tokens = min(seq.num_computed_tokens, loaded * self.block_size)

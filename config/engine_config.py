@@ -67,6 +67,8 @@ class EngineArgs:
     master_port: int | None = None
     max_tokens_default: int | None = None
     dtype: str = "float32"
+    splitwise_role: str = "mixed"
+    pd_host: str = "127.0.0.1"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -137,6 +139,14 @@ class EngineArgs:
         parser.add_argument("--max-tokens-default", type=int, default=None,
                             help="max_tokens of a chat completion that sets none (default: up to the remaining "
                                  "context); /v1/completions keeps OpenAI's 16")
+        parser.add_argument("--splitwise-role", choices=SPLITWISE_ROLES, default="mixed",
+                            help="prefill/decode disaggregation (engine/disaggregation.py): a prefill instance "
+                                 "answers requests carrying kv_transfer_params {do_remote_decode: true} and holds "
+                                 "their KV for a decode instance, which reads it with the Mooncake transfer "
+                                 "engine; mixed (default) serves requests whole")
+        parser.add_argument("--pd-host", default="127.0.0.1",
+                            help="address other P/D instances reach this one's transfer engine and release "
+                                 "socket at (this node's IP for multi-node)")
         return parser
 
     @classmethod
@@ -216,6 +226,22 @@ class ParallelConfig:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
+SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass
+class PDConfig:
+    """Prefill/decode disaggregation: this instance's role and how peers reach it."""
+
+    role: str = "mixed"  # one of SPLITWISE_ROLES
+    host: str = "127.0.0.1"  # the transfer engine and the release socket listen here
+    hold_ttl_s: float = field(default_factory=lambda: envs.FD_PD_HOLD_TTL_S)
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "mixed"
+
+
 @dataclass
 class ServerConfig:
     """The HTTP side: where it listens, who may call it, the model name it answers to."""
@@ -244,6 +270,7 @@ class EngineConfig:
     num_threads: int
     instance_id: str
     ipc_dir: str = ""
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def for_dp_rank(self, dp_rank: int) -> "EngineConfig":
         """A copy for data-parallel rank ``dp_rank``; the sub-configs it shares are not mutated later."""
@@ -275,7 +302,8 @@ _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tenso
                   "data_parallel_size", "nnodes", "num_gpu_blocks_override", "num_threads", "max_model_len",
                   "max_tokens_default")
 # String flags that must not be empty when given.
-_NON_EMPTY = ("host", "served_model_name", "api_key", "master_addr", "model", "file_backend_storage_dir")
+_NON_EMPTY = ("host", "served_model_name", "api_key", "master_addr", "model", "file_backend_storage_dir",
+              "pd_host")
 
 
 def validate_args(args: EngineArgs) -> None:
@@ -305,6 +333,7 @@ def validate_args(args: EngineArgs) -> None:
     _validate_storage(args)
     _validate_parallel(args)
     _validate_dtype(args)
+    _validate_pd(args)
 
 
 def _validate_dtype(args: EngineArgs) -> None:
@@ -319,6 +348,26 @@ def _validate_dtype(args: EngineArgs) -> None:
                           f"lacks {', '.join(missing)}: use --dtype float32")
     if envs.FD_NATIVE_KERNELS == "0":
         raise ConfigError("--dtype bfloat16 runs on a native kernel, which FD_NATIVE_KERNELS=0 turns off")
+
+
+def _validate_pd(args: EngineArgs) -> None:
+    if args.splitwise_role not in SPLITWISE_ROLES:
+        raise ConfigError(f"--splitwise-role must be one of {', '.join(SPLITWISE_ROLES)}, got {args.splitwise_role!r}")
+    if args.splitwise_role == "mixed":
+        return
+    role = f"--splitwise-role {args.splitwise_role}"
+    if args.tensor_parallel_size != 1:
+        raise ConfigError(f"{role} does not support --tensor-parallel-size > 1 (each TP rank would need its own "
+                          "transfer of its KV shard)")
+    if args.data_parallel_size != 1:
+        raise ConfigError(f"{role} does not support --data-parallel-size > 1: run one instance per rank and "
+                          "let the router spread the requests")
+    if args.pd_host in ("0.0.0.0", "::"):
+        raise ConfigError(f"--pd-host {args.pd_host} is a wildcard: give the address peers reach this node at "
+                          "(it is sent to them in kv_transfer_params)")
+    if not args.enable_prefix_caching:
+        raise ConfigError(f"{role} needs the prefix cache (the transferred blocks are matched by their hashes): "
+                          "drop --no-enable-prefix-caching")
 
 
 def _validate_storage(args: EngineArgs) -> None:
@@ -503,6 +552,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         num_threads=num_threads,
         instance_id=instance_id,
+        pd=_pd_config(args),
     )
 
 
@@ -545,6 +595,13 @@ def _cache_fingerprint(model: ModelConfig) -> str:
         return model.model_fingerprint
     digest = hashlib.sha256(f"{model.model_fingerprint}:{model.dtype}".encode("utf-8")).hexdigest()
     return digest[: len(model.model_fingerprint) or 16]
+
+
+def _pd_config(args: EngineArgs) -> PDConfig:
+    config = PDConfig(role=args.splitwise_role, host=args.pd_host)
+    if not (math.isfinite(config.hold_ttl_s) and config.hold_ttl_s > 0):
+        raise ConfigError(f"FD_PD_HOLD_TTL_S must be a positive number of seconds, got {config.hold_ttl_s}")
+    return config
 
 
 def _ep_port(args: EngineArgs) -> int:

@@ -27,6 +27,7 @@ from cache_manager.storage_lookup import StorageLookup, create_storage_lookup
 from cache_manager.transfer_client import CacheTransferClient
 from config.engine_config import EngineConfig
 from config.log import setup_logging
+from engine.disaggregation import DecodeSide, PrefillSide, create_disaggregation, pd_stats
 from engine.request import (CACHE_STATS, RESET_PREFIX_CACHE, AbortRequest, CacheStatsReply, ControlError,
                             ControlReply, ControlRequest, EngineRequest, RequestOutput, ResetPrefixCacheReply)
 from engine.scheduler import Scheduler, choices_of
@@ -128,6 +129,8 @@ class Engine:
         if self.transfer is not None:
             self.transfer.on_done = self.cache.on_transfer_done
             self.transfer.on_started = self.cache.on_transfer_started
+        # P/D disaggregation: this instance's side of a KV handover (None for --splitwise-role mixed).
+        self.pd: PrefillSide | DecodeSide | None = create_disaggregation(config, self.cache, self.context)
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=config.scheduler.max_num_seqs,
@@ -135,6 +138,7 @@ class Engine:
             max_model_len=config.scheduler.max_model_len,
             schedule_on_fill_start=envs.FD_KVCACHE_FAULT_EARLY_SCHEDULE,
             structured_output=make_structured_output(config),
+            on_finish=self.pd.on_finish if self.pd is not None else None,
         )
         self.request_socket = self._socket(zmq.PULL, addresses.requests)
         self.output_socket = self._socket(zmq.PUSH, addresses.outputs)
@@ -196,6 +200,8 @@ class Engine:
         self.cache.fail_all_transfers()
         self.cache.drop_host_tier()
         if device_too:
+            if self.pd is not None:
+                self.pd.on_device_reset()
             self.cache.forget_device_contents()
 
     # ---- main loop -------------------------------------------------------
@@ -234,6 +240,7 @@ class Engine:
         self.signals.engine_heartbeat.value[0] = time.time()
         self._receive_requests(block=idle)
         self._service_cache()
+        self._service_pd()
         batch = self._schedule()
         self._send_outputs(self.scheduler.take_outputs())
         if batch is None:
@@ -323,6 +330,15 @@ class Engine:
             # No request to blame: a bad transfer's blocks stay quarantined until its deadline restarts the process.
             self._contain("servicing KV cache transfers", exc, [])
 
+    def _service_pd(self) -> None:
+        """P/D: apply releases and expire holds (prefill side), send the releases of used offers (decode side)."""
+        if self.pd is None:
+            return
+        try:
+            self.pd.service()
+        except Exception as exc:  # no request to blame; a hold left behind expires with its TTL
+            self._contain("servicing P/D holds and releases", exc, [])
+
     def _receive_requests(self, block: bool) -> None:
         if block and not self._wait_for_input():
             self.supervisor.check_alive()
@@ -370,6 +386,8 @@ class Engine:
         poller.register(self.control_socket, zmq.POLLIN)
         if self.transfer is not None:
             poller.register(self.transfer.done_socket, zmq.POLLIN)
+        if isinstance(self.pd, PrefillSide):
+            poller.register(self.pd.release_socket, zmq.POLLIN)
         ready = dict(poller.poll(POLL_MS))
         return self.request_socket in ready or self.control_socket in ready
 
@@ -377,7 +395,11 @@ class Engine:
         if isinstance(message, EngineRequest):
             seq = make_choices(message.request_id, list(message.prompt_token_ids), message.sampling_params,
                                tuple(message.eos_token_ids), message.arrival_time)
+            if self.pd is not None and message.kv_transfer_params:
+                self.pd.attach(seq, message.kv_transfer_params)
             rejected = self.scheduler.add(seq)
+            if rejected and self.pd is not None:
+                self.pd.on_finish(seq, None)  # an offer it carried is released now, not at its TTL
             return [rejected] if rejected else []
         if isinstance(message, AbortRequest):
             # Every choice still waiting or running (forked or not) ends, each with its own output.
@@ -397,7 +419,7 @@ class Engine:
             logger.info("prefix cache reset: %d device/host blocks dropped (storage kept)", dropped)
             return ResetPrefixCacheReply(request.request_id, dropped)
         if request.command == CACHE_STATS:
-            return CacheStatsReply(request.request_id, self.cache.summary())
+            return CacheStatsReply(request.request_id, {**self.cache.summary(), **pd_stats(self.pd)})
         return ControlError(request.request_id, f"unknown command {request.command!r}")
 
     def _run_step(self, batch: StepBatch) -> StepResult:
@@ -440,6 +462,8 @@ class Engine:
         for sock in (self.request_socket, self.control_socket, self.output_socket, self.control_reply_socket,
                      self.batch_socket, self.result_socket):
             sock.close(linger=0)
+        if self.pd is not None:
+            self.pd.close()
         if self.transfer is not None:
             self.transfer.close()
         if self.storage_lookup is not None:
@@ -464,7 +488,8 @@ def make_structured_output(config: EngineConfig) -> "StructuredOutputManager | N
 
 
 def needs_cache_transfer(config: EngineConfig) -> bool:
-    return config.cache.num_cpu_blocks > 0 or config.cache.storage is not None
+    # A P/D decode instance reads the prefill instance's blocks in its cache transfer process.
+    return config.cache.num_cpu_blocks > 0 or config.cache.storage is not None or config.pd.role == "decode"
 
 
 def run_engine(config: EngineConfig, addresses: EngineAddresses) -> None:

@@ -25,6 +25,8 @@ class EngineRequest:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
+    # P/D disaggregation (engine/disaggregation.py): the request's kv_transfer_params object, as sent.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -47,6 +49,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when sampling_params.logprobs is set
     # Every prompt token's logprobs (None for the first token), once, in the output that ends the prefill.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # P/D prefill instance, in the finishing output: the offer for the decode instance (response top level).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # Control commands (``ControlRequest.command``).

@@ -52,8 +52,12 @@ STRUCTURED_OUTPUT_UNAVAILABLE = "structured output is not available in this engi
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, schedule_on_fill_start: bool = False,
-                 structured_output: "StructuredOutputManager | None" = None) -> None:
+                 structured_output: "StructuredOutputManager | None" = None,
+                 on_finish: Callable[[Sequence, str | None], None] | None = None) -> None:
         self.kv_cache = kv_cache
+        # Called with a sequence and its finish reason (None: aborted) before its blocks are freed
+        # (P/D: a prefill instance holds them for the decode instance, engine/disaggregation.py).
+        self.on_finish = on_finish
         self.structured_output = structured_output
         # Test-only fault (FD_KVCACHE_FAULT_EARLY_SCHEDULE): run a sequence once its fills have started.
         self.schedule_on_fill_start = schedule_on_fill_start
@@ -469,7 +473,7 @@ class Scheduler:
 
     def _finish_with(self, seq: Sequence, reason: str, error: str | None = None) -> list[RequestOutput]:
         self.running.remove(seq)
-        self._finish(seq)
+        self._finish(seq, reason)
         return self._outputs_of_choices(seq, reason, error)
 
     def _outputs_of_choices(self, seq: Sequence, reason: str, error: str | None) -> list[RequestOutput]:
@@ -477,7 +481,9 @@ class Scheduler:
         return [self._output(seq, finish_reason=reason, error=error)] + [
             self._output(child, finish_reason=reason, error=error) for child in seq.pending_children]
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        if self.on_finish is not None:
+            self.on_finish(seq, reason)
         self.kv_cache.free(seq)
         for choice in choices_of(seq):
             choice.status = SequenceStatus.FINISHED
@@ -508,6 +514,7 @@ class Scheduler:
             index=seq.index,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=seq.kv_transfer_result if finish_reason is not None else None,
         )
 
 

@@ -12,6 +12,9 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from typing import Any
+
+from cache_manager.pd_transfer import RemotePrefill
 from config.sampling_params import SamplingParams
 from inter_communicator.messages import TokenLogprobs
 
@@ -59,6 +62,12 @@ class Sequence:
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The structured-output manager holds a grammar under request_id (remove it when the sequence ends).
     has_grammar: bool = False
+    # P/D (engine/disaggregation.py). Prefill side: hold the prompt's blocks for a decode instance when done,
+    # and the offer made then (the response's kv_transfer_params). Decode side: a prefill instance's offer,
+    # read at admission (the cache manager sets it to None once used).
+    pd_hold: bool = False
+    kv_transfer_result: dict[str, Any] | None = None
+    remote_prefill: RemotePrefill | None = None
 
     def __post_init__(self) -> None:
         if not self.client_id:

@@ -72,7 +72,23 @@ class WorkerShutdown:
 
 # ---- engine <-> cache transfer process ------------------------------------
 
-TRANSFER_KINDS = ("swap_out", "swap_in", "write_back", "prefetch")
+TRANSFER_KINDS = ("swap_out", "swap_in", "write_back", "prefetch", "remote_read")
+
+
+@dataclass
+class RemoteBlocks:
+    """Where a ``remote_read`` task reads from: blocks of another instance's registered device KV pool.
+
+    The peer's pool has the same layout as ours (same model, block size and KV layout; checked by the
+    engine before the task is made) but its own block count, which sets the stride between its planes.
+    """
+
+    session: str  # "host:port" of the peer's transfer engine (Mooncake P2P handshake)
+    kv_addr: int  # address of the peer's device pool in the peer's process (registered with its engine)
+    num_blocks: int  # the peer pool's block count
+    block_ids: list[int]  # peer blocks, aligned with the task's device_block_ids
+    transfer_id: str = ""  # the peer's hold, released by the engine once the task reported
+    expires_at: float = 0.0  # wall clock: the peer frees the blocks then at the latest (no read starts close to it)
 
 
 @dataclass
@@ -83,6 +99,7 @@ class TransferTask:
     swap_in:    host_block_ids[i]   -> device_block_ids[i]
     write_back: device_block_ids[i] -> storage_keys[i]   (or host_block_ids[i] -> key when device ids are empty)
     prefetch:   storage_keys[i]     -> device_block_ids[i]
+    remote_read: remote.block_ids[i] (another instance's pool) -> device_block_ids[i]
     """
 
     task_id: int
@@ -90,6 +107,7 @@ class TransferTask:
     device_block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)
     storage_keys: list[str] = field(default_factory=list)
+    remote: RemoteBlocks | None = None  # remote_read only
 
 
 @dataclass

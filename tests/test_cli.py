@@ -102,6 +102,8 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--max-tokens-default": (("--max-tokens-default", "0"), "at least 1"),
     "--file-backend-max-bytes": (("--kvcache-storage-backend", "file", "--file-backend-max-bytes", "-1"), ">= 0"),
     "--dtype": (("--dtype", "float16"), "invalid choice"),
+    "--splitwise-role": (("--splitwise-role", "both"), "invalid choice"),
+    "--pd-host": (("--pd-host", " "), "must not be empty"),
 }
 
 # Further refusals: values of the right type that are still wrong, and combinations.
@@ -132,6 +134,9 @@ MORE_BAD_VALUES: list[tuple[str, tuple[str, ...], str]] = [
     ("--file-backend-max-bytes", ("--file-backend-max-bytes", "1000000"), "--kvcache-storage-backend file"),
     ("--master-port", ("--master-port", "29555"), "only apply with --enable-expert-parallel"),
     ("--master-addr", ("--master-addr", "192.0.2.7"), "only apply with --enable-expert-parallel"),
+    ("--splitwise-role", ("--splitwise-role", "decode", "--data-parallel-size", "2"), "--data-parallel-size > 1"),
+    ("--splitwise-role", ("--splitwise-role", "prefill", "--no-enable-prefix-caching"), "needs the prefix cache"),
+    ("--pd-host", ("--splitwise-role", "decode", "--pd-host", "0.0.0.0"), "wildcard"),
     ("--unknown-flag", ("--unknown-flag", "1"), "unrecognized arguments"),
 ]
 

@@ -217,6 +217,13 @@ def _truncated_to(k: int) -> Callable:
     return check
 
 
+def _kv_transfer_forwarded(response: httpx.Response, engine: ScriptedEngine, baseline: EngineRequest) -> None:
+    """P/D: the object reaches the engine as sent, and the response names the (here absent) offer."""
+    assert response.status_code == 200, response.text
+    assert engine.requests[-1].kv_transfer_params == {"do_remote_decode": True}
+    assert response.json()["kv_transfer_params"] is None
+
+
 def _echo_shown(body: Any) -> bool:
     return _first_choice(body)["text"].startswith("Hello there")
 
@@ -274,7 +281,7 @@ COMPLETION_FIELDS: dict[str, tuple[Any, Any]] = {
     "return_tokens_as_token_ids": (True, None),  # with logprobs, checked below
     "return_token_ids": (True, response_shows(lambda b: "completion_token_ids" in _first_choice(b))),
     "cache_salt": ("salt", REFUSED),
-    "kv_transfer_params": ({"do_remote_decode": True}, REFUSED),
+    "kv_transfer_params": ({"do_remote_decode": True}, _kv_transfer_forwarded),
     "vllm_xargs": ({"x": 1}, REFUSED),
     "prompt_embeds": ("AAAA", REFUSED),
     # a chat field sent to /v1/completions
@@ -364,7 +371,7 @@ CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
     "return_tokens_as_token_ids": (True, None),
     "return_token_ids": (True, response_shows(lambda b: "completion_token_ids" in _first_choice(b))),
     "cache_salt": ("salt", REFUSED),
-    "kv_transfer_params": ({"do_remote_decode": True}, REFUSED),
+    "kv_transfer_params": ({"do_remote_decode": True}, _kv_transfer_forwarded),
     "vllm_xargs": ({"x": 1}, REFUSED),
 }
 

@@ -109,7 +109,6 @@ COMMON_REFUSALS: tuple[Refusal, ...] = (
     Refusal("priority", _equals(0), "priority scheduling is not supported (only priority 0)"),
     Refusal("logits_processors", _is_falsy, "custom logits_processors are not supported"),
     Refusal("cache_salt", _is_none, "cache_salt (per-user prefix cache isolation) is not supported"),
-    Refusal("kv_transfer_params", _is_falsy, "kv_transfer_params (disaggregated serving) is not supported"),
     Refusal("vllm_xargs", _is_falsy, "vllm_xargs (custom extension arguments) are not supported"),
 )
 
@@ -201,7 +200,9 @@ class GenerationRequest(_StrictModel):
     priority: int | None = 0
     logits_processors: Any = None
     cache_salt: str | None = None
-    kv_transfer_params: Any = None
+    # Honoured: P/D disaggregation (vLLM's name; engine/disaggregation.py). The engine of a prefill or decode
+    # instance acts on it; a mixed instance serves the request whole (the output is the same by construction).
+    kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: Any = None
     # Structured output (decided in serving._structured_output_spec).
     response_format: Any = None

@@ -114,6 +114,7 @@ class _Generation:
         self._engine_finished: set[int] = set()  # choice indexes the engine reported finished
         self.cached_tokens = 0
         self.error: str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None  # P/D prefill instance: the offer
 
     @property
     def completion_tokens(self) -> int:
@@ -152,6 +153,8 @@ class _Generation:
 
     def _consume(self, output: RequestOutput) -> list[ChoiceDelta]:
         self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if output.finished:
             self._engine_finished.add(output.index)
         if self._show_prompt and self.prompt is None and (output.prompt_logprobs is not None
@@ -476,6 +479,9 @@ class OpenAIServing:
         structured_output = _structured_output_spec(parsed, tools, self.tokenizer)
         bad_words = self.bad_words_token_ids(parsed.bad_words) if parsed.bad_words else []
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        if parsed.kv_transfer_params and len(prompts) > 1:
+            raise APIError("kv_transfer_params applies to a request with one prompt, not a batch of "
+                           f"{len(prompts)}", param="kv_transfer_params")
         engine_requests: list[EngineRequest] = []
         for position, prompt in enumerate(prompts):
             if parsed.truncate_prompt_tokens is not None:
@@ -489,7 +495,8 @@ class OpenAIServing:
             engine_requests.append(EngineRequest(request_id=engine_id, prompt_token_ids=prompt,
                                                  sampling_params=sampling_params,
                                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                                 arrival_time=time.time()))
+                                                 arrival_time=time.time(),
+                                                 kv_transfer_params=parsed.kv_transfer_params or None))
         echo_only = parsed.echo_prompt and parsed.requested_max_tokens == 0
         return _Prepared(request_id, int(time.time()), parsed, engine_requests, echo_only, tools)
 
@@ -619,6 +626,10 @@ class OpenAIServing:
         else:
             body = completion_response(prepared.request_id, prepared.created, self.served_model_name, choices,
                                        usage_)
+        if prepared.parsed.kv_transfer_params:
+            # P/D (vLLM's placement): a prefill instance's offer for the decode instance, null if it made none.
+            body["kv_transfer_params"] = next(
+                (g.kv_transfer_params for g in generations if g.kv_transfer_params is not None), None)
         return OpenAIJSONResponse(body)
 
     async def _stream_events(self, prepared: _Prepared, generations: list[_Generation],
