@@ -25,8 +25,9 @@ LAYERS: list[tuple[str, int]] = [
     ("engine.entrypoints", 6),
     ("engine", 5),
     ("launch", 7),
+    ("router", 7),
 ]
-PRODUCT_DIRS = ("config", "inter_communicator", "cache_manager", "worker", "engine")
+PRODUCT_DIRS = ("config", "inter_communicator", "cache_manager", "worker", "engine", "router")
 TOOL_DIRS = ("benchmarks", "scripts")
 
 
