@@ -33,7 +33,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
 import shutil
 import subprocess
@@ -164,6 +163,32 @@ def load_extension(
     if module is None and mode == "1":
         raise NativeKernelUnavailable(f"native kernel {name}: {_results[name].reason}")
     return module
+
+
+class Extension:
+    """One kernel library of this package, built or taken from the cache on its first use in a process.
+
+    ``load()`` is the module of operators, or None where native kernels are unavailable. FD_NATIVE_KERNELS=0
+    is read again on every call (not remembered), so a benchmark can switch the kernels off and on in one process.
+    """
+
+    def __init__(self, name: str, sources: Sequence[str | Path], required_cpu_flags: Sequence[str] = ()) -> None:
+        self.name = name
+        self.sources = [str(source) for source in sources]
+        self.required_cpu_flags = tuple(required_cpu_flags)
+        self._module: ModuleType | None = None
+        self._tried = False
+
+    def load(self) -> ModuleType | None:
+        if not native_kernels_enabled():
+            return None
+        if not self._tried:
+            self._module = load_extension(self.name, self.sources, required_cpu_flags=self.required_cpu_flags)
+            self._tried = True
+        return self._module
+
+    def available(self) -> bool:
+        return self.load() is not None
 
 
 def last_build(name: str) -> BuildResult | None:

@@ -16,26 +16,18 @@ from worker.kernels import build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("fused_ops.cc")
-_EXTENSION = "fd_fused_ops"
 REQUIRED_CPU_FLAGS = ("avx512f",)
-_module: ModuleType | None = None
-_tried = False
+_EXTENSION = build.Extension("fd_fused_ops", [Path(__file__).with_name("fused_ops.cc")],
+                             required_cpu_flags=REQUIRED_CPU_FLAGS)
 
 
 def load() -> ModuleType | None:
     """The extension module, built or taken from the cache on first call; None if unavailable."""
-    global _module, _tried
-    if not build.native_kernels_enabled():
-        return None  # not remembered: FD_NATIVE_KERNELS may be switched back on in this process (benchmarks)
-    if not _tried:
-        _module = build.load_extension(_EXTENSION, [str(_SOURCE)], required_cpu_flags=REQUIRED_CPU_FLAGS)
-        _tried = True
-    return _module
+    return _EXTENSION.load()
 
 
 def available() -> bool:
-    return build.native_kernels_enabled() and load() is not None
+    return _EXTENSION.available()
 
 
 def _require() -> ModuleType:

@@ -16,25 +16,16 @@ from worker.kernels import build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
-_EXTENSION = "fd_paged_attention_ext"
-_module: ModuleType | None = None
-_tried = False
+_EXTENSION = build.Extension("fd_paged_attention_ext", [Path(__file__).with_name("paged_attention.cc")])
 
 
 def load() -> ModuleType | None:
     """The extension module, built or taken from the cache on first call; None if unavailable."""
-    global _module, _tried
-    if not build.native_kernels_enabled():
-        return None  # not remembered: FD_NATIVE_KERNELS may be switched back on in this process (benchmarks)
-    if not _tried:
-        _module = build.load_extension(_EXTENSION, [str(_SOURCE)])
-        _tried = True
-    return _module
+    return _EXTENSION.load()
 
 
 def available() -> bool:
-    return build.native_kernels_enabled() and load() is not None
+    return _EXTENSION.available()
 
 
 def paged_attention(
