@@ -40,6 +40,7 @@ import ctypes
 import logging
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import zmq
@@ -154,6 +155,10 @@ class Worker:
             self._serve_single()
 
     def _serve_single(self) -> None:
+        self._serve_engine_batches(self.execute_model)
+
+    def _serve_engine_batches(self, execute: Callable[[StepBatch], StepResult]) -> None:
+        """Answer the engine's batches with ``execute`` until it sends ``WorkerShutdown`` or a stop is requested."""
         poller = zmq.Poller()
         poller.register(self.batch_socket, zmq.POLLIN)
         while not self.stop_event.is_set():
@@ -164,24 +169,14 @@ class Worker:
             if isinstance(message, WorkerShutdown):
                 logger.info("shutdown requested by the engine: %s", message.reason)
                 break
-            self.result_socket.send_pyobj(self.execute_model(message))
+            self.result_socket.send_pyobj(execute(message))
 
     # ---- tensor parallelism: rank 0 leads, every rank runs the step ---------------------
 
     def _serve_tp_leader(self) -> None:
         """TP rank 0: the engine's batches, forwarded to the peers, run by the whole group."""
-        poller = zmq.Poller()
-        poller.register(self.batch_socket, zmq.POLLIN)
         try:
-            while not self.stop_event.is_set():
-                self.signals.worker_heartbeat.value[self.tp_rank] = time.time()
-                if not poller.poll(POLL_MS):
-                    continue
-                message = self.batch_socket.recv_pyobj()
-                if isinstance(message, WorkerShutdown):
-                    logger.info("shutdown requested by the engine: %s; stopping the TP group", message.reason)
-                    break
-                self.result_socket.send_pyobj(self._execute_tp_leader(message))
+            self._serve_engine_batches(self._execute_tp_leader)
         finally:
             self._stop_followers()
 
