@@ -445,6 +445,10 @@ class CacheTransferManager:
         remote = task.remote
         if remote is None:
             raise TransferTaskError(f"remote_read task {task.task_id} names no remote blocks")
+        if len(self.devices) != 1:  # P/D refuses TP > 1 at start-up: the offer describes one unsharded pool
+            raise TransferTaskError(f"remote_read task {task.task_id}: P/D needs one KV shard, "
+                                    f"this instance has {len(self.devices)}")
+        device = self.devices[0]
         device_ids = self._device_ids(task)
         _require_pairs(task, len(remote.block_ids), "remote block ids")
         self._check_states(task, device_ids)
@@ -467,7 +471,7 @@ class CacheTransferManager:
                 self._fault_slow_fill()
                 chunk_ids = device_ids[chunk]
                 self._check_states(task, chunk_ids)
-                self.device[:, :, chunk_ids] = staging[:, :, :len(chunk_ids)]
+                device[:, :, chunk_ids] = staging[:, :, :len(chunk_ids)]
                 ok.extend([True] * len(chunk_ids))
         return ok + [False] * (count - len(ok))
 
