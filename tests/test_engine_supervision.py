@@ -65,7 +65,11 @@ def test_engine_sigkill_fails_in_flight_requests_and_the_engine_is_restarted():
         blocking: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: blocking.append(complete(server, REFERENCE[2])), daemon=True)
         waiter.start()
-        before = health(server)
+        # Kill only once the blocking request is in flight: sent during the restart it would rightly get a 503.
+        deadline = time.monotonic() + 30
+        while (before := health(server))["active_requests"] < 2:
+            assert time.monotonic() < deadline, f"the blocking request never reached the engine: {before}"
+            time.sleep(0.05)
         engine_pid, worker_pid = before["engine"]["pid"], before["workers"][0]["pid"]
         assert before["engine_restarts"] == 0
         killed_at = time.monotonic()
