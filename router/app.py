@@ -10,10 +10,9 @@ connections close, so the backend aborts the request); once streaming, ``SSEResp
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -22,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from engine.entrypoints.http_server import run_until_disconnect
 from router.backends import BackendPool, NoBackendError, Role
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
 from router.proxy import FORWARDED_HEADERS, RELAYED_HEADERS, ClientRequest, Forwarder, ProxyError
@@ -81,7 +81,11 @@ def build_app(pool: BackendPool, client: httpx.AsyncClient, metrics: RouterMetri
                                        headers=_forwarded_headers(request))
         status = "500"
         try:
-            response = await _until_disconnect(request, lambda: forwarder.forward(client_request))
+            finished, response = await run_until_disconnect(request, lambda: forwarder.forward(client_request))
+            if not finished:
+                logger.info("client disconnected before the answer of %s began; backend call cancelled",
+                            request.url.path)
+                response = Response(status_code=499)  # nobody reads it
             status = str(response.status_code)
             return response
         except ProxyError as exc:
@@ -151,31 +155,6 @@ async def _relay_to_any(pool: BackendPool, client: httpx.AsyncClient, request: R
         raise ProxyError(f"backend {backend.url} failed: {type(exc).__name__}: {exc}") from None
     relayed = {k: v for k, v in upstream.headers.items() if k.lower() in RELAYED_HEADERS}
     return Response(upstream.content, status_code=upstream.status_code, headers=relayed)
-
-
-async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
-    """``work()``'s response; if the client disconnects first, ``work`` is cancelled (its backend calls close)."""
-    work_task = asyncio.ensure_future(work())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.wait({work_task})
-    if work_task.cancelled():
-        logger.info("client disconnected before the answer of %s began; backend call cancelled", request.url.path)
-        return Response(status_code=499)  # nobody reads it
-    return work_task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body is read: receive() now returns only once the client disconnects.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _add_error_handlers(app: FastAPI) -> None:

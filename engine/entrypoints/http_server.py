@@ -1,15 +1,18 @@
 """The HTTP server process part: uvicorn running the API server's ASGI app.
 
 Owns: ``ApiServer`` (uvicorn's server, stoppable from a signal handler with ``request_stop``)
-and ``create_server`` (its configuration: log level from ``envs.FD_LOG_LEVEL``, no access log).
+and ``create_server`` (its configuration: log level from ``envs.FD_LOG_LEVEL``, no access log);
+``run_until_disconnect``, which cancels a request's work when its client goes away (the API server
+and the router both use it).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 import envs
 
@@ -49,3 +52,35 @@ def create_server(app: FastAPI, host: str, port: int, *, access_log: bool = Fals
     config = uvicorn.Config(app, host=host, port=port, log_level=envs.FD_LOG_LEVEL.lower(), access_log=access_log,
                             timeout_graceful_shutdown=int(timeout_graceful_shutdown), lifespan="off")
     return ApiServer(config, handle_signals=handle_signals)
+
+
+T = TypeVar("T")
+
+
+async def run_until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run ``work()``; cancel it if the HTTP client disconnects first.
+
+    Returns ``(True, its result)`` when it completed (what it raised is re-raised), ``(False, None)`` when
+    the client went away first and ``work`` was cancelled (its cleanup ran: engine aborts, backend closes).
+    Call it after the request body is read.
+    """
+    work_task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.wait({work_task})
+    if work_task.cancelled():
+        return False, None
+    return True, work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body is read, receive() blocks until the client disconnects: no polling needed.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

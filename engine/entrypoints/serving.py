@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import anyio
 from fastapi import Request
@@ -54,6 +54,7 @@ from config.structured_output import StructuredOutputSpec
 from engine.entrypoints.choices import ChoiceDelta, ChoiceState, PromptEcho
 from engine.entrypoints.engine_client import EngineDeadError
 from engine.entrypoints.errors import OpenAIJSONResponse, unavailable_error
+from engine.entrypoints.http_server import run_until_disconnect
 from engine.entrypoints.logprobs_format import (TokenEntry, TokenTexts, chat_logprobs, completion_logprobs,
                                                 vllm_prompt_logprobs)
 from engine.entrypoints.metrics import RequestRecorder, ServerMetrics
@@ -605,7 +606,8 @@ class OpenAIServing:
                         break
 
         try:
-            finished = await _run_until_disconnect(request, collect)
+            # Cancelling runs _Generation's cleanup, which aborts the engine request.
+            finished, _ = await run_until_disconnect(request, collect)
         finally:
             if recorder is not None:
                 recorder.finish(_overall_finish(generations, results.values()))
@@ -690,32 +692,6 @@ class OpenAIServing:
             logger.exception("health check failed")
             return OpenAIJSONResponse({"status": "unhealthy", "error": str(exc)}, status_code=503)
         return OpenAIJSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # After the body is read, receive() blocks until the client disconnects: no polling needed.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _run_until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``work``; cancel it if the HTTP client disconnects first. True if it completed."""
-    work_task = asyncio.ensure_future(work())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work_task.done():
-            # Cancelling runs _Generation's cleanup, which aborts the engine request.
-            work_task.cancel()
-            await asyncio.wait({work_task})
-    if work_task.cancelled():
-        return False
-    work_task.result()  # re-raise what the work raised
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
