@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
+from inter_communicator.process_utils import process_alive
 from inter_communicator.shm import SharedArray, ipc_name, register_created_semaphore, unlink_segment
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class ShmAllReduce:
                 return
             except posix_ipc.BusyError:
                 pid = int(self._pids[peer])
-                if pid > 0 and not _alive(pid):
+                if pid > 0 and not process_alive(pid, None):
                     self._fail(f"rank {peer} (pid {pid}) died before arriving at call {gen}")
 
     def _fail(self, why: str) -> None:
@@ -259,21 +260,6 @@ class ShmAllReduce:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed child not yet reaped) still answers signal 0; /proc tells it apart.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class GlooAllReduce:
