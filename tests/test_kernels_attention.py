@@ -83,7 +83,7 @@ def test_mixed_step_matches_paddle():
     _compare([1, 1, 1, 37, 70], [5, 300, 1025, 37, 170], kv_heads=2, group=2, block_size=64, seed=7)
 
 
-@pytest.mark.parametrize("head_dim", [128, 40])
+@pytest.mark.parametrize("head_dim", [128, 96, 80, 40, 36])
 def test_other_head_sizes_match_paddle(head_dim):
     _compare([1, 1, 50], [77, 513, 90], kv_heads=2, group=4, head_dim=head_dim, seed=head_dim)
 

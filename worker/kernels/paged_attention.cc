@@ -6,13 +6,19 @@
 // float32; the step's new K/V are already written into it. kv_heads comes from the cache shape (a
 // tensor-parallel rank holds kv_heads / tp of them), heads from q, group = heads / kv_heads.
 //
-// Work item = (sequence, kv head, tile of up to kQueryTile query tokens); its rows are the tile's
-// tokens x the group's query heads (token-major). Keys are visited in tiles of kKeyTile positions,
-// flash-attention style: scores for a 4-row block against one key tile (K tile transposed once into
-// [head_dim][kKeyTile] so the inner loop is a broadcast-FMA over 16 keys), online softmax in float32
-// (running max m, running sum l, output rescaled when m grows), then P x V accumulated straight from
-// the cache rows. Memory per item is O(rows x head_dim): no score matrix over the whole context.
-// Items run under OpenMP, handed out longest first.
+// Work item = (sequence, kv head, run of query tokens); its rows are the tokens x the group's query
+// heads (token-major). Every path is flash-attention style: keys visited in passes, online softmax in
+// float32 (running max m, running sum l, output rescaled when m grows), P x V accumulated straight
+// from the cache rows; memory per item is O(rows x head_dim), no score matrix over the whole context.
+// Items run under OpenMP, handed out longest first. Two AVX-512 paths:
+//
+// - prefill ("lanes"): up to 64 query rows of an item sit in the 16 lanes of up to 4 vectors, queries
+//   transposed to [head_dim][rows]. Scores of 4 keys x the rows are a GEMM micro-tile (a broadcast
+//   K element times a vector of queries; 16 independent accumulators, loads <= FMAs), the softmax's
+//   max and sum run across keys lane-wise (no horizontal reductions), and P x V is another micro-tile
+//   (a broadcast V element times a vector of probabilities). K and V rows are read where they are.
+// - decode (few rows): dot products of each query row with each cached K row.
+// Other head sizes and CPUs without AVX-512 take a compiler-vectorised path.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,9 +39,8 @@ namespace {
 
 constexpr int kKeyTile = 16;     // keys per tile: one 512-bit vector of scores per query row
 constexpr int kRowBlock = 4;     // query rows sharing one K-tile load
-constexpr int kQueryTile = 32;   // query tokens per work item (prefill)
-constexpr int kTransposeMinRows = 8;
-constexpr int64_t kParallelMinWork = 1 << 18;  // multiply-adds (keys x rows x head_dim) worth a parallel region  // query rows (tokens x group) from which a sequence's K is transposed
+constexpr int kQueryTile = 32;   // query tokens per work item (prefill, compiler-vectorised path)
+constexpr int64_t kParallelMinWork = 1 << 18;  // multiply-adds (keys x rows x head_dim) worth a parallel region
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (scores minus their running max), written with arithmetic and bit operations
@@ -76,6 +81,7 @@ struct Item {
   int32_t first_token;  // within the sequence's query
   int32_t num_tokens;
   int64_t cost;         // keys visited x rows, for ordering
+  bool lanes;           // the AVX-512 prefill path (rows in vector lanes)
 };
 
 // Per-thread scratch.
@@ -166,7 +172,7 @@ void row_block(const Problem& p, Scratch& s, int row0, const int64_t* positions,
 // ---------------------------------------------------------------------------------- AVX-512 path
 // Used for head_dim 64 and 128. A row block's output stays in registers over a chunk of keys.
 
-constexpr int kChunkKeys = 256;  // keys per chunk: their transposed K and V rows (128 KiB at D=64) stay in L2
+constexpr int kChunkKeys = 256;  // keys per chunk: their K and V rows (128 KiB at D=64) stay in L2
 
 inline __m512 exp512(__m512 x) {  // the vector twin of fast_exp (x <= 0)
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
@@ -182,12 +188,11 @@ inline __m512 exp512(__m512 x) {  // the vector twin of fast_exp (x <= 0)
   return _mm512_scalef_ps(poly, n);
 }
 
-// Rows row0..row0+NR-1 against keys [key_begin, key_end) (tile aligned). K comes either from the
-// sequence's transposed K (kt_all, [tiles][D][16], prefill) or straight from the cache rows by dot
-// products (decode: few rows, a transpose would cost more than it saves).
+// Rows row0..row0+NR-1 against keys [key_begin, key_end) (tile aligned), K by dot products with the
+// cache rows (decode: a few rows, nothing to amortise a reordering of K over).
 template <int D, int NR>
 void block_avx512(const Problem& p, const Sequence& seq, int kv_head, Scratch& s, int row0, const int64_t* pos,
-                  int64_t key_begin, int64_t key_end, const float* kt_all) {
+                  int64_t key_begin, int64_t key_end) {
   constexpr int DV = D / 16;
   __m512 o[NR][DV];
   float m[NR], l[NR];
@@ -203,27 +208,18 @@ void block_avx512(const Problem& p, const Sequence& seq, int kv_head, Scratch& s
     if (pos[NR - 1] < key0) break;  // rows are in position order: later tiles are masked for all
     const int keys = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - key0));
     __m512 sc[NR];
-    if (kt_all != nullptr) {
-      const float* kt = kt_all + (key0 / kKeyTile) * D * kKeyTile;
-      for (int r = 0; r < NR; ++r) sc[r] = _mm512_setzero_ps();
-      for (int d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_loadu_ps(kt + d * kKeyTile);
-        for (int r = 0; r < NR; ++r) sc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), kv, sc[r]);
+    alignas(64) float dots[NR][kKeyTile] = {};
+    for (int j = 0; j < keys; ++j) {
+      const float* k = cache_row(p.k_cache, p, seq.table, key0 + j, kv_head);
+      __m512 kv[DV];
+      for (int c = 0; c < DV; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+      for (int r = 0; r < NR; ++r) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[r]), kv[0]);
+        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[r] + 16 * c), kv[c], acc);
+        dots[r][j] = _mm512_reduce_add_ps(acc);
       }
-    } else {
-      alignas(64) float dots[NR][kKeyTile] = {};
-      for (int j = 0; j < keys; ++j) {
-        const float* k = cache_row(p.k_cache, p, seq.table, key0 + j, kv_head);
-        __m512 kv[DV];
-        for (int c = 0; c < DV; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
-        for (int r = 0; r < NR; ++r) {
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q[r]), kv[0]);
-          for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[r] + 16 * c), kv[c], acc);
-          dots[r][j] = _mm512_reduce_add_ps(acc);
-        }
-      }
-      for (int r = 0; r < NR; ++r) sc[r] = _mm512_load_ps(dots[r]);
     }
+    for (int r = 0; r < NR; ++r) sc[r] = _mm512_load_ps(dots[r]);
     for (int r = 0; r < NR; ++r) {
       const int64_t count = std::min<int64_t>(keys, pos[r] - key0 + 1);  // keys of the tile row r may see
       if (count <= 0) {
@@ -262,38 +258,199 @@ void block_avx512(const Problem& p, const Sequence& seq, int kv_head, Scratch& s
 
 template <int D>
 void item_avx512(const Problem& p, const Sequence& seq, int kv_head, Scratch& s, int rows, const int64_t* pos,
-                 int64_t key_end, const float* kt_all) {
+                 int64_t key_end) {
   constexpr int NR = D >= 128 ? 2 : 4;  // NR x D/16 output registers + scores must fit in 32 zmm
   for (int64_t chunk = 0; chunk < key_end; chunk += kChunkKeys) {
     const int64_t chunk_end = std::min<int64_t>(chunk + kChunkKeys, key_end);
     int row0 = 0;
     for (; row0 + NR <= rows; row0 += NR) {
       if (pos[row0 + NR - 1] < chunk) continue;
-      block_avx512<D, NR>(p, seq, kv_head, s, row0, pos + row0, chunk, chunk_end, kt_all);
+      block_avx512<D, NR>(p, seq, kv_head, s, row0, pos + row0, chunk, chunk_end);
     }
     for (; row0 < rows; ++row0)
-      block_avx512<D, 1>(p, seq, kv_head, s, row0, pos + row0, chunk, chunk_end, kt_all);
+      block_avx512<D, 1>(p, seq, kv_head, s, row0, pos + row0, chunk, chunk_end);
   }
 }
 
-// K of one sequence and KV head transposed tile by tile into [tiles][D][16] (zero-padded), once per call,
-// for all of the sequence's query tiles.
-void transpose_keys(const Problem& p, const Sequence& seq, int kv_head, int64_t tile, float* kt_all) {
-  const int64_t D = p.head_dim;
-  float* kt = kt_all + tile * D * kKeyTile;
-  const int64_t key0 = tile * kKeyTile;
-  const int keys = static_cast<int>(std::min<int64_t>(kKeyTile, seq.context_len - key0));
-  for (int j = 0; j < keys; ++j) {
-    const float* k = cache_row(p.k_cache, p, seq.table, key0 + j, kv_head);
-    for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + j] = k[d];
+// ------------------------------------------------------------------ prefill: query rows in lanes
+
+constexpr int kLanes = 16;
+constexpr int kMaxRowVectors = 4;                        // up to 64 query rows per item
+constexpr int kLaneRows = kLanes * kMaxRowVectors;
+constexpr int kLaneMinRows = 16;                         // fewer rows: the decode path (lanes would idle)
+constexpr int kPassKeys = 64;                            // keys scored, softmaxed and applied per pass
+constexpr int kKeysPerTile = 6;                          // keys per score micro-tile
+constexpr int kDimsPerTile = 6;                          // head dims per P x V micro-tile
+
+// Aligned per-thread buffers of the lanes path (W = row vectors x 16 floats per row of these arrays).
+struct LaneScratch {
+  std::vector<__m512> qt;     // [D][W] scaled queries, transposed
+  std::vector<__m512> ot;     // [D][W] output accumulators, transposed
+  std::vector<__m512> probs;  // [kPassKeys][W] scores, then probabilities
+  __m512 m[kMaxRowVectors], l[kMaxRowVectors];
+  __m512i pos[kMaxRowVectors];
+  const float* k_rows[kPassKeys];
+  const float* v_rows[kPassKeys];
+};
+
+// probs[kk][lanes] = K[kk] . Qt[.][lanes] for KB keys: KB x RV accumulators, one broadcast K element
+// feeds RV FMAs.
+template <int RV, int KB>
+inline void score_tile(const __m512* qt, int64_t D, const float* const* k, __m512* probs) {
+  __m512 acc[KB][RV];
+  for (int kb = 0; kb < KB; ++kb)
+    for (int rv = 0; rv < RV; ++rv) acc[kb][rv] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qv[RV];
+    for (int rv = 0; rv < RV; ++rv) qv[rv] = qt[d * RV + rv];
+    for (int kb = 0; kb < KB; ++kb) {
+      const __m512 kv = _mm512_set1_ps(k[kb][d]);
+      for (int rv = 0; rv < RV; ++rv) acc[kb][rv] = _mm512_fmadd_ps(kv, qv[rv], acc[kb][rv]);
+    }
   }
-  for (int j = keys; j < kKeyTile; ++j)
-    for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + j] = 0.0f;
+  for (int kb = 0; kb < KB; ++kb)
+    for (int rv = 0; rv < RV; ++rv) probs[kb * RV + rv] = acc[kb][rv];
+}
+
+// Online softmax of one pass, lane-wise: scores -> probabilities in place, m and l updated, the output
+// accumulators rescaled where the running max grew. Every row sees key 0, so after the first pass m is
+// finite in every lane; on the first pass exp(-inf - m) clamps to ~1e-38, multiplying zeros.
+template <int RV>
+inline void softmax_pass(LaneScratch& s, int64_t D, int keys, int64_t key0, bool masked) {
+  for (int rv = 0; rv < RV; ++rv) {
+    const __m512 m_old = s.m[rv];
+    __m512 m_new = m_old;
+    for (int kk = 0; kk < keys; ++kk) {
+      __m512 sc = s.probs[kk * RV + rv];
+      if (masked) {
+        const __mmask16 visible = _mm512_cmpge_epi32_mask(s.pos[rv], _mm512_set1_epi32(static_cast<int>(key0 + kk)));
+        sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, sc);
+        s.probs[kk * RV + rv] = sc;
+      }
+      m_new = _mm512_max_ps(m_new, sc);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int kk = 0; kk < keys; ++kk) {
+      __m512 e = exp512(_mm512_sub_ps(s.probs[kk * RV + rv], m_new));
+      if (masked) {
+        const __mmask16 visible = _mm512_cmpge_epi32_mask(s.pos[rv], _mm512_set1_epi32(static_cast<int>(key0 + kk)));
+        e = _mm512_maskz_mov_ps(visible, e);
+      }
+      s.probs[kk * RV + rv] = e;
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 correction = exp512(_mm512_sub_ps(m_old, m_new));
+    s.l[rv] = _mm512_fmadd_ps(s.l[rv], correction, sum);
+    s.m[rv] = m_new;
+    if (_mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ) != 0) {  // most passes after the first change nothing
+      for (int64_t d = 0; d < D; ++d) s.ot[d * RV + rv] = _mm512_mul_ps(s.ot[d * RV + rv], correction);
+    }
+  }
+}
+
+// Ot[d][lanes] += sum over the pass's keys of V[kk][d] * P[kk][lanes] for DB dims from d0: DB x RV
+// accumulators, one broadcast V element feeds RV FMAs.
+template <int RV, int DB>
+inline void value_tile(LaneScratch& s, int64_t d0, int keys) {
+  __m512 acc[DB][RV];
+  for (int dd = 0; dd < DB; ++dd)
+    for (int rv = 0; rv < RV; ++rv) acc[dd][rv] = s.ot[(d0 + dd) * RV + rv];
+  for (int kk = 0; kk < keys; ++kk) {
+    __m512 pv[RV];
+    for (int rv = 0; rv < RV; ++rv) pv[rv] = s.probs[kk * RV + rv];
+    const float* v = s.v_rows[kk] + d0;
+    for (int dd = 0; dd < DB; ++dd) {
+      const __m512 vv = _mm512_set1_ps(v[dd]);
+      for (int rv = 0; rv < RV; ++rv) acc[dd][rv] = _mm512_fmadd_ps(vv, pv[rv], acc[dd][rv]);
+    }
+  }
+  for (int dd = 0; dd < DB; ++dd)
+    for (int rv = 0; rv < RV; ++rv) s.ot[(d0 + dd) * RV + rv] = acc[dd][rv];
+}
+
+// D (a multiple of 4) = 6a + 4b with b <= 2: tiles of 6 dims, then one or two of 4.
+template <int RV>
+inline void apply_values(LaneScratch& s, int64_t D, int keys) {
+  static_assert(kDimsPerTile == 6, "the split of D below assumes tiles of 6 and 4 dims");
+  const int64_t fours = D % 6 == 0 ? 0 : (D % 6 == 4 ? 1 : 2);
+  const int64_t sixes_end = D - 4 * fours;
+  int64_t d0 = 0;
+  for (; d0 < sixes_end; d0 += kDimsPerTile) value_tile<RV, kDimsPerTile>(s, d0, keys);
+  for (; d0 < D; d0 += 4) value_tile<RV, 4>(s, d0, keys);
+}
+
+// One lanes item: rows = tokens x group <= 64, padded to RV x 16 lanes by repeating the last row (its
+// results are finite and dropped).
+template <int RV>
+void run_lanes_item(const Problem& p, const Sequence& seq, const Item& item, LaneScratch& s) {
+  constexpr int W = RV * kLanes;
+  const int64_t D = p.head_dim;
+  const int64_t group = p.group;
+  const int rows = item.num_tokens * static_cast<int>(group);
+  const int64_t first_position = seq.context_len - seq.query_len + item.first_token;
+  s.qt.resize(D * RV);
+  s.ot.assign(D * RV, _mm512_setzero_ps());
+  s.probs.resize(kPassKeys * RV);
+  float* qt = reinterpret_cast<float*>(s.qt.data());
+  alignas(64) int32_t positions[W];
+  for (int lane = 0; lane < W; ++lane) {
+    const int row = std::min(lane, rows - 1);
+    const int64_t t = row / group;
+    positions[lane] = static_cast<int32_t>(first_position + t);
+    const int64_t q_row = seq.query_start + item.first_token + t;
+    const float* src = p.q + (q_row * p.heads + item.kv_head * group + row % group) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = src[d] * p.scale;
+  }
+  for (int rv = 0; rv < RV; ++rv) {
+    s.pos[rv] = _mm512_load_si512(positions + rv * kLanes);
+    s.m[rv] = _mm512_set1_ps(kNegInf);
+    s.l[rv] = _mm512_setzero_ps();
+  }
+  const int64_t all_see_up_to = first_position;                // every row sees keys <= its first token's
+  const int64_t key_end = first_position + item.num_tokens;    // no row sees a key past the last token
+  for (int64_t key0 = 0; key0 < key_end; key0 += kPassKeys) {
+    const int keys = static_cast<int>(std::min<int64_t>(kPassKeys, key_end - key0));
+    for (int kk = 0; kk < keys; ++kk) {
+      s.k_rows[kk] = cache_row(p.k_cache, p, seq.table, key0 + kk, item.kv_head);
+      s.v_rows[kk] = cache_row(p.v_cache, p, seq.table, key0 + kk, item.kv_head);
+    }
+    int kk = 0;
+    for (; kk + kKeysPerTile <= keys; kk += kKeysPerTile)
+      score_tile<RV, kKeysPerTile>(s.qt.data(), D, s.k_rows + kk, s.probs.data() + kk * RV);
+    if (kk + 4 <= keys) { score_tile<RV, 4>(s.qt.data(), D, s.k_rows + kk, s.probs.data() + kk * RV); kk += 4; }
+    for (; kk < keys; ++kk) score_tile<RV, 1>(s.qt.data(), D, s.k_rows + kk, s.probs.data() + kk * RV);
+    softmax_pass<RV>(s, D, keys, key0, key0 + keys - 1 > all_see_up_to);
+    apply_values<RV>(s, D, keys);
+  }
+  const float* ot = reinterpret_cast<const float*>(s.ot.data());
+  alignas(64) float inv_l[W];
+  for (int rv = 0; rv < RV; ++rv) _mm512_store_ps(inv_l + rv * kLanes, _mm512_div_ps(_mm512_set1_ps(1.0f), s.l[rv]));
+  for (int row = 0; row < rows; ++row) {
+    const int64_t t = row / group;
+    const int64_t q_row = seq.query_start + item.first_token + t;
+    float* dst = p.out + (q_row * p.heads + item.kv_head * group + row % group) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * W + row] * inv_l[row];
+  }
+}
+
+void run_lanes(const Problem& p, const Sequence& seq, const Item& item, LaneScratch& s) {
+  switch ((item.num_tokens * p.group + kLanes - 1) / kLanes) {
+    case 1: run_lanes_item<1>(p, seq, item, s); break;
+    case 2: run_lanes_item<2>(p, seq, item, s); break;
+    case 3: run_lanes_item<3>(p, seq, item, s); break;
+    default: run_lanes_item<4>(p, seq, item, s); break;
+  }
+}
+
+// The lanes path serves a sequence when it has enough query rows, head_dim splits into P x V tiles and
+// a whole token's group fits in one item.
+bool lanes_fit(const Problem& p, const Sequence& seq) {
+  return seq.query_len * p.group >= kLaneMinRows && p.head_dim % 4 == 0 && p.group <= kLaneRows;
 }
 #endif  // __AVX512F__
 
 template <int D>
-void run_item(const Problem& p, const Sequence& seq, const Item& item, Scratch& s, const float* kt_all) {
+void run_item(const Problem& p, const Sequence& seq, const Item& item, Scratch& s) {
   const int64_t hd = D ? D : p.head_dim;
   const int64_t group = p.group;
   const int rows = item.num_tokens * static_cast<int>(group);
@@ -318,7 +475,7 @@ void run_item(const Problem& p, const Sequence& seq, const Item& item, Scratch& 
   const int64_t key_end = first_position + item.num_tokens;  // keys after the last query are masked for all
 #if defined(__AVX512F__)
   if (D == 64 || D == 128) {
-    item_avx512<D ? D : 64>(p, seq, item.kv_head, s, rows, positions.data(), key_end, kt_all);
+    item_avx512<D ? D : 64>(p, seq, item.kv_head, s, rows, positions.data(), key_end);
   } else
 #endif
   for (int64_t key0 = 0; key0 < key_end; key0 += kKeyTile) {
@@ -355,6 +512,12 @@ void run_item(const Problem& p, const Sequence& seq, const Item& item, Scratch& 
     }
   }
 }
+
+#if defined(__AVX512F__)
+constexpr int64_t kLaneRowsLimit = kLaneRows;
+#else
+constexpr int64_t kLaneRowsLimit = 1;
+#endif
 
 void check(bool ok, const char* message) { PD_CHECK(ok, message); }
 
@@ -397,67 +560,46 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
     for (int64_t b = 0; b < (seq.context_len + p.block_size - 1) / p.block_size; ++b)
       check(seq.table[b] >= 0 && seq.table[b] < ks[0], "fd_paged_attention: block id out of range");
     seqs[i] = seq;
-    for (int64_t first = 0; first < seq.query_len; first += kQueryTile) {
-      const int64_t n = std::min<int64_t>(kQueryTile, seq.query_len - first);
+    bool lanes = false;
+#if defined(__AVX512F__)
+    lanes = lanes_fit(p, seq);
+#endif
+    // Lanes items hold as many whole tokens as fit in 64 rows; the other paths tile by kQueryTile tokens.
+    const int64_t tile = lanes ? std::max<int64_t>(1, kLaneRowsLimit / p.group) : kQueryTile;
+    for (int64_t first = 0; first < seq.query_len; first += tile) {
+      const int64_t n = std::min<int64_t>(tile, seq.query_len - first);
       const int64_t keys = seq.context_len - seq.query_len + first + n;
       for (int64_t h = 0; h < p.kv_heads; ++h)
         items.push_back(Item{static_cast<int32_t>(i), static_cast<int32_t>(h), static_cast<int32_t>(first),
-                             static_cast<int32_t>(n), keys * n});
+                             static_cast<int32_t>(n), keys * n, lanes});
     }
   }
   // Longest items first, so the dynamic schedule does not end on one long straggler.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  // Sequences with enough query rows get their K transposed once ([tiles][D][16] per KV head), shared by
-  // all their query tiles; decodes read K rows in place.
-  std::vector<int64_t> kt_offset(num_seqs, -1);
-  std::vector<std::pair<int64_t, int64_t>> transpose_jobs;  // (sequence, kv_head * tiles + tile)
-  int64_t kt_floats = 0;
-#if defined(__AVX512F__)
-  if (p.head_dim == 64 || p.head_dim == 128) {
-    for (int64_t i = 0; i < num_seqs; ++i) {
-      if (seqs[i].query_len * p.group < kTransposeMinRows) continue;
-      const int64_t tiles = (seqs[i].context_len + kKeyTile - 1) / kKeyTile;
-      kt_offset[i] = kt_floats;
-      kt_floats += p.kv_heads * tiles * p.head_dim * kKeyTile;
-      for (int64_t job = 0; job < p.kv_heads * tiles; ++job) transpose_jobs.emplace_back(i, job);
-    }
-  }
-#endif
-  std::vector<float> kt_buffer(kt_floats);
-  auto kt_of = [&](int64_t seq, int64_t kv_head) -> float* {
-    if (kt_offset[seq] < 0) return nullptr;
-    const int64_t tiles = (seqs[seq].context_len + kKeyTile - 1) / kKeyTile;
-    return kt_buffer.data() + kt_offset[seq] + kv_head * tiles * p.head_dim * kKeyTile;
-  };
-
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t num_jobs = static_cast<int64_t>(transpose_jobs.size());
-  // Work is handed out by hand (static slices, then an atomic counter) rather than with "omp for": the
-  // library links Paddle's libiomp5, which lacks the GOMP_loop_nonmonotonic_* entry points gcc emits for
-  // dynamic schedules (they would bind to libgomp, a different runtime than the one running the team).
+  // Work is handed out by hand (an atomic counter) rather than with "omp for": the library links Paddle's
+  // libiomp5, which lacks the GOMP_loop_nonmonotonic_* entry points gcc emits for dynamic schedules (they
+  // would bind to libgomp, a different runtime than the one running the team).
   std::atomic<int64_t> next_item{0};
-  auto work = [&](int64_t thread, int64_t threads) {
-#if defined(__AVX512F__)
-    for (int64_t j = thread; j < num_jobs; j += threads) {
-      const int64_t seq = transpose_jobs[j].first;
-      const int64_t tiles = (seqs[seq].context_len + kKeyTile - 1) / kKeyTile;
-      const int64_t kv_head = transpose_jobs[j].second / tiles;
-      transpose_keys(p, seqs[seq], static_cast<int>(kv_head), transpose_jobs[j].second % tiles,
-                     kt_of(seq, kv_head));
-    }
-#endif
-    if (threads > 1 && num_jobs > 0) {  // items read the transposed keys; decode-only steps have none
-#pragma omp barrier
-    }
+  auto work = [&]() {
     Scratch scratch;
+#if defined(__AVX512F__)
+    LaneScratch lane_scratch;
+#endif
     for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
       const Item& item = items[i];
-      const float* kt = kt_of(item.seq, item.kv_head);
+      const Sequence& seq = seqs[item.seq];
+#if defined(__AVX512F__)
+      if (item.lanes) {
+        run_lanes(p, seq, item, lane_scratch);
+        continue;
+      }
+#endif
       switch (p.head_dim) {
-        case 64: run_item<64>(p, seqs[item.seq], item, scratch, kt); break;
-        case 128: run_item<128>(p, seqs[item.seq], item, scratch, kt); break;
-        default: run_item<0>(p, seqs[item.seq], item, scratch, kt); break;
+        case 64: run_item<64>(p, seq, item, scratch); break;
+        case 128: run_item<128>(p, seq, item, scratch); break;
+        default: run_item<0>(p, seq, item, scratch); break;
       }
     }
   };
@@ -465,10 +607,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   int64_t total_cost = 0;
   for (const Item& item : items) total_cost += item.cost;
   if (total_cost * p.group * p.head_dim < kParallelMinWork || num_items < 2) {
-    work(0, 1);
+    work();
   } else {
 #pragma omp parallel
-    work(omp_get_thread_num(), omp_get_num_threads());
+    work();
   }
   return {out};
 }
