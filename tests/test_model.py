@@ -454,3 +454,39 @@ def test_folded_attention_scale_is_bit_identical(architecture: str, monkeypatch)
     tokens = np.random.default_rng(8).integers(0, config.vocab_size, 12).tolist()
     np.testing.assert_array_equal(logits_of_schedule(folded, config, tokens, prefill=7),
                                   logits_of_schedule(scaled, config, tokens, prefill=7))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["scalar-rope", "avx512-rope"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_fused_rope_attention_is_bit_identical(architecture: str, head_dim: int) -> None:
+    """fd_rope_paged_attention (RoPE + cache write + attention in one op) against Paddle RoPE + scatter +
+    fd_paged_attention: the same logits and the same cache bytes, through a prefill and decodes."""
+    from worker.attention import use_native_kernel
+
+    if not use_native_kernel():
+        pytest.skip("native kernels unavailable here (tests/test_kernels_build.py covers the fallback)")
+    config = dataclasses.replace(tiny_config(architecture, tie=False), head_dim=head_dim)
+    weights = random_weights(config, seed=head_dim)
+    fused = get_model_class(architecture)(config)
+    fused.load_weights(weights)
+    composed = get_model_class(architecture)(config)
+    composed.load_weights(weights)
+    composed._fused_attention = lambda: False
+    assert fused._fused_attention()
+    tokens = np.random.default_rng(9).integers(0, config.vocab_size, 40).tolist()
+    block_size = 4
+    table = list(range(-(-len(tokens) // block_size)))[::-1]
+    caches = {}
+    logits = {}
+    for name, model in (("fused", fused), ("composed", composed)):
+        array = np.zeros(device_cache_shape(config, len(table), block_size), dtype=np.float32)
+        kv_caches = kv_cache_views(array)
+        produced, done = [], 0
+        for chunk in [tokens[:33]] + [[token] for token in tokens[33:]]:
+            done += len(chunk)
+            meta = build_attention_metadata([len(chunk)], [done], [table], block_size)
+            hidden = model(paddle.to_tensor(chunk, dtype="int64"), meta.positions, kv_caches, meta)
+            produced.append(model.compute_logits(hidden).numpy())
+        caches[name], logits[name] = array, np.concatenate(produced)
+    np.testing.assert_array_equal(caches["fused"], caches["composed"])
+    np.testing.assert_array_equal(logits["fused"], logits["composed"])

@@ -276,6 +276,30 @@ def paged_attention(
     return outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
 
 
+def rope_paged_attention(
+    qkv: paddle.Tensor,
+    cos_table: paddle.Tensor,
+    sin_table: paddle.Tensor,
+    positions: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> paddle.Tensor:
+    """RoPE, the cache write and attention of one layer as one native call (``fd_rope_paged_attention``).
+
+    ``qkv`` is the fused projection [T, (num_heads + 2 * kv_heads) * D]; the tables are the model's
+    [max_positions, D] cos and sign-folded sin. Same result as rotating with Paddle ops and calling
+    ``paged_attention`` (bit for bit: the products are rounded before the sum as Paddle does), one op
+    instead of about ten per layer. Requires the native kernel (``use_native_kernel()``).
+    """
+    slots = meta.derived(("slots",), lambda: paddle.to_tensor(np.ascontiguousarray(meta.slot_mapping, dtype=np.int64)))
+    starts, lens, contexts, tables = meta.derived(("native_inputs",), lambda: _native_inputs(meta))
+    return native_attention.rope_paged_attention(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
+                                                 tables, starts, lens, contexts, num_heads, scale)
+
+
 def use_native_kernel() -> bool:
     """True when the native kernel is enabled and built (the build runs on the first call, then is cached)."""
     return kernel_build.native_kernels_enabled() and native_attention.load() is not None

@@ -521,33 +521,17 @@ constexpr int64_t kLaneRowsLimit = 1;
 
 void check(bool ok, const char* message) { PD_CHECK(ok, message); }
 
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
-                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
-                                           const paddle::Tensor& query_starts, const paddle::Tensor& query_lens,
-                                           const paddle::Tensor& context_lens, float scale) {
-  check(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "fd_paged_attention: CPU tensors only");
-  check(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
-            v_cache.dtype() == paddle::DataType::FLOAT32,
-        "fd_paged_attention: q and the caches must be float32");
+// Attention for every sequence of the step into p.out; checks the per-sequence inputs against the cache.
+void attend(Problem& p, int64_t num_tokens, int64_t num_blocks, const paddle::Tensor& block_tables,
+            const paddle::Tensor& query_starts, const paddle::Tensor& query_lens, const paddle::Tensor& context_lens) {
   check(block_tables.dtype() == paddle::DataType::INT64 && query_starts.dtype() == paddle::DataType::INT64 &&
             query_lens.dtype() == paddle::DataType::INT64 && context_lens.dtype() == paddle::DataType::INT64,
         "fd_paged_attention: block tables and lengths must be int64");
-  const auto qs = q.shape();
-  const auto ks = k_cache.shape();
-  check(qs.size() == 3 && ks.size() == 4 && v_cache.shape() == ks, "fd_paged_attention: q [T, H, D], caches [N, KVH, BS, D]");
-  check(qs[2] == ks[3], "fd_paged_attention: q and cache head_dim differ");
-  check(ks[1] > 0 && qs[1] % ks[1] == 0, "fd_paged_attention: heads must be a multiple of kv_heads");
   const auto ts = block_tables.shape();
   check(ts.size() == 2, "fd_paged_attention: block_tables [S, max_blocks]");
   const int64_t num_seqs = ts[0];
   check(query_starts.numel() == num_seqs && query_lens.numel() == num_seqs && context_lens.numel() == num_seqs,
         "fd_paged_attention: one start, query length and context length per sequence");
-
-  Problem p{q.data<float>(), k_cache.data<float>(), v_cache.data<float>(), nullptr,
-            qs[1], ks[1], ks[2], ks[3], qs[1] / ks[1], scale};
-  auto out = paddle::empty({qs[0], qs[1] * qs[2]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  p.out = out.data<float>();
-
   const int64_t* tables = block_tables.data<int64_t>();
   std::vector<Sequence> seqs(num_seqs);
   std::vector<Item> items;
@@ -555,10 +539,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
     Sequence seq{query_starts.data<int64_t>()[i], query_lens.data<int64_t>()[i], context_lens.data<int64_t>()[i],
                  tables + i * ts[1]};
     check(seq.query_len >= 1 && seq.context_len >= seq.query_len, "fd_paged_attention: need 1 <= query_len <= context_len");
-    check(seq.query_start >= 0 && seq.query_start + seq.query_len <= qs[0], "fd_paged_attention: query rows out of range");
+    check(seq.query_start >= 0 && seq.query_start + seq.query_len <= num_tokens, "fd_paged_attention: query rows out of range");
     check((seq.context_len + p.block_size - 1) / p.block_size <= ts[1], "fd_paged_attention: block table too short");
     for (int64_t b = 0; b < (seq.context_len + p.block_size - 1) / p.block_size; ++b)
-      check(seq.table[b] >= 0 && seq.table[b] < ks[0], "fd_paged_attention: block id out of range");
+      check(seq.table[b] >= 0 && seq.table[b] < num_blocks, "fd_paged_attention: block id out of range");
     seqs[i] = seq;
     bool lanes = false;
 #if defined(__AVX512F__)
@@ -612,6 +596,115 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
 #pragma omp parallel
     work();
   }
+}
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& query_starts, const paddle::Tensor& query_lens,
+                                           const paddle::Tensor& context_lens, float scale) {
+  check(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "fd_paged_attention: CPU tensors only");
+  check(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
+            v_cache.dtype() == paddle::DataType::FLOAT32,
+        "fd_paged_attention: q and the caches must be float32");
+  const auto qs = q.shape();
+  const auto ks = k_cache.shape();
+  check(qs.size() == 3 && ks.size() == 4 && v_cache.shape() == ks, "fd_paged_attention: q [T, H, D], caches [N, KVH, BS, D]");
+  check(qs[2] == ks[3], "fd_paged_attention: q and cache head_dim differ");
+  check(ks[1] > 0 && qs[1] % ks[1] == 0, "fd_paged_attention: heads must be a multiple of kv_heads");
+  Problem p{q.data<float>(), k_cache.data<float>(), v_cache.data<float>(), nullptr,
+            qs[1], ks[1], ks[2], ks[3], qs[1] / ks[1], scale};
+  auto out = paddle::empty({qs[0], qs[1] * qs[2]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  p.out = out.data<float>();
+  attend(p, qs[0], ks[0], block_tables, query_starts, query_lens, context_lens);
+  return {out};
+}
+
+// ------------------------------------------------------------ RoPE + cache write + attention, fused
+
+// dst[d] = x[d] * cos[d] + x[d +- D/2] * sin[d] (rotate-half RoPE; the sin table carries the sign). Each
+// product is rounded before the sum, as the Paddle path computes it, so both paths give the same bits:
+// the empty asm keeps the compiler from contracting the multiply and add into an FMA.
+void rope_row(const float* x, const float* cos, const float* sin, int64_t D, float* dst) {
+  const int64_t half = D / 2;
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {
+    for (; d < D; d += 16) {
+      const int64_t partner = d < half ? d + half : d - half;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(cos + d));
+      __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + partner), _mm512_loadu_ps(sin + d));
+      asm("" : "+v"(a), "+v"(b));
+      _mm512_storeu_ps(dst + d, _mm512_add_ps(a, b));
+    }
+  }
+#endif
+  for (; d < D; ++d) {
+    float a = x[d] * cos[d];
+    float b = x[d < half ? d + half : d - half] * sin[d];
+    asm("" : "+x"(a), "+x"(b));
+    dst[d] = a + b;
+  }
+}
+
+std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cos_table,
+                                               const paddle::Tensor& sin_table, const paddle::Tensor& positions,
+                                               const paddle::Tensor& slots, paddle::Tensor& k_cache,
+                                               paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                               const paddle::Tensor& query_starts, const paddle::Tensor& query_lens,
+                                               const paddle::Tensor& context_lens, int num_heads, float scale) {
+  check(qkv.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && cos_table.is_cpu() && sin_table.is_cpu(),
+        "fd_rope_paged_attention: CPU tensors only");
+  check(qkv.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
+            v_cache.dtype() == paddle::DataType::FLOAT32 && cos_table.dtype() == paddle::DataType::FLOAT32 &&
+            sin_table.dtype() == paddle::DataType::FLOAT32,
+        "fd_rope_paged_attention: qkv, the RoPE tables and the caches must be float32");
+  check(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+        "fd_rope_paged_attention: positions and slots must be int64");
+  const auto ks = k_cache.shape();
+  check(ks.size() == 4 && v_cache.shape() == ks, "fd_rope_paged_attention: caches [N, KVH, BS, D]");
+  const int64_t kv_heads = ks[1], block_size = ks[2], D = ks[3], num_blocks = ks[0];
+  const auto xs = qkv.shape();
+  check(num_heads > 0 && kv_heads > 0 && num_heads % kv_heads == 0,
+        "fd_rope_paged_attention: num_heads must be a positive multiple of the cache's kv_heads");
+  check(xs.size() == 2 && xs[1] == (num_heads + 2 * kv_heads) * D,
+        "fd_rope_paged_attention: qkv must be [T, (num_heads + 2 * kv_heads) * head_dim]");
+  check(D % 2 == 0 && cos_table.shape().size() == 2 && cos_table.shape()[1] == D &&
+            sin_table.shape() == cos_table.shape(),
+        "fd_rope_paged_attention: RoPE tables [max_positions, head_dim], head_dim even");
+  const int64_t T = xs[0];
+  check(positions.numel() == T && slots.numel() == T, "fd_rope_paged_attention: one position and slot per token");
+  const int64_t max_positions = cos_table.shape()[0];
+  const int64_t* pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    check(pos[t] >= 0 && pos[t] < max_positions, "fd_rope_paged_attention: position out of the RoPE table");
+    check(slot[t] >= 0 && slot[t] < num_blocks * block_size, "fd_rope_paged_attention: slot out of the cache");
+  }
+
+  // Rotate q into its own buffer, rotate k and copy v into their cache rows.
+  std::vector<float> q(T * num_heads * D);
+  const float* x = qkv.data<float>();
+  const float* cos = cos_table.data<float>();
+  const float* sin = sin_table.data<float>();
+  float* kc = k_cache.data<float>();
+  float* vc = v_cache.data<float>();
+  const int64_t width = xs[1];
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * width;
+    const float* c = cos + pos[t] * D;
+    const float* s = sin + pos[t] * D;
+    for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * D, c, s, D, q.data() + (t * num_heads + h) * D);
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t cache_offset = ((block * kv_heads + h) * block_size + offset) * D;
+      rope_row(row + (num_heads + h) * D, c, s, D, kc + cache_offset);
+      std::memcpy(vc + cache_offset, row + (num_heads + kv_heads + h) * D, D * sizeof(float));
+    }
+  }
+  Problem p{q.data(), kc, vc, nullptr, num_heads, kv_heads, block_size, D, num_heads / kv_heads, scale};
+  auto out = paddle::empty({T, num_heads * D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  p.out = out.data<float>();
+  attend(p, T, num_blocks, block_tables, query_starts, query_lens, context_lens);
   return {out};
 }
 
@@ -638,3 +731,33 @@ PD_BUILD_OP(fd_paged_attention)
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));
+
+namespace {
+
+std::vector<std::vector<int64_t>> RopePagedAttentionShape(
+    const std::vector<int64_t>& qkv, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>& k_cache,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, int num_heads, float) {
+  return {{qkv[0], num_heads * k_cache[3]}};
+}
+
+std::vector<paddle::DataType> RopePagedAttentionDtype(
+    const paddle::DataType& qkv, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+  return {qkv};
+}
+
+}  // namespace
+
+// The caches are written in place (the step's K/V), declared as in-place outputs.
+PD_BUILD_OP(fd_rope_paged_attention)
+    .Inputs({"QKV", "CosTable", "SinTable", "Positions", "Slots", "KCache", "VCache", "BlockTables", "QueryStarts",
+             "QueryLens", "ContextLens"})
+    .Outputs({"Out", "KCacheOut", "VCacheOut"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
+    .Attrs({"num_heads: int", "scale: float"})
+    .SetKernelFn(PD_KERNEL(RopePagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopePagedAttentionShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RopePagedAttentionDtype));

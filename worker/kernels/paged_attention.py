@@ -50,3 +50,35 @@ def paged_attention(
         raise build.NativeKernelUnavailable("fd_paged_attention is not available (see the log for why)")
     return module.fd_paged_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
                                      float(scale))
+
+
+def rope_paged_attention(
+    qkv: paddle.Tensor,
+    cos_table: paddle.Tensor,
+    sin_table: paddle.Tensor,
+    positions: paddle.Tensor,
+    slots: paddle.Tensor,
+    k_cache: paddle.Tensor,
+    v_cache: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    query_starts: paddle.Tensor,
+    query_lens: paddle.Tensor,
+    context_lens: paddle.Tensor,
+    num_heads: int,
+    scale: float,
+) -> paddle.Tensor:
+    """RoPE, the cache write and attention of one layer in one call; returns [T, num_heads * D].
+
+    ``qkv`` [T, (num_heads + 2 * kv_heads) * D] is the fused projection's output (q heads, k heads,
+    v heads). Token ``t`` at ``positions[t]`` gets rotate-half RoPE from the tables ([max_positions, D],
+    the sin table sign-folded), its k (rotated) and v are written to cache slot ``slots[t]`` (block *
+    block_size + offset) of every KV head, then attention runs as ``paged_attention`` on the rotated q.
+    The caches are changed in place.
+    """
+    module = load()
+    if module is None:
+        raise build.NativeKernelUnavailable("fd_rope_paged_attention is not available (see the log for why)")
+    result = module.fd_rope_paged_attention(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
+                                            block_tables, query_starts, query_lens, context_lens, int(num_heads),
+                                            float(scale))
+    return result[0] if isinstance(result, (list, tuple)) else result

@@ -33,7 +33,7 @@ import paddle
 import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
-from worker.attention import AttentionMetadata, paged_attention
+from worker.attention import AttentionMetadata, paged_attention, rope_paged_attention, use_native_kernel
 from worker.kernels import fused_ops
 from worker.kernels.gemm import PackedBf16, bf16_linear, pack_bf16, require_bf16_gemm
 from worker.tensor_parallel import ShardPlan, shard_plan
@@ -199,16 +199,20 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._check_step(input_ids, kv_caches, meta)
         num_tokens = input_ids.shape[0]
         self.begin_forward(num_tokens)
-        # One RoPE table lookup per step, shared by every layer; q and k heads rotate together.
-        rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
-        cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
-        sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand(rotated_shape)
+        if self._fused_attention():
+            # The native op rotates, writes the cache and attends in one call per layer, reading the tables itself.
+            cos = sin = None
+        else:
+            # One RoPE table lookup per step, shared by every layer; q and k heads rotate together.
+            rotated_shape = [num_tokens, self.num_heads + self.num_kv_heads, self.head_dim]
+            cos = paddle.index_select(self._rope_cos, positions).unsqueeze(1).expand(rotated_shape)
+            sin = paddle.index_select(self._rope_sin, positions).unsqueeze(1).expand(rotated_shape)
 
         hidden = paddle.index_select(self._embed, input_ids)
         residual = None
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches)):
             hidden, residual = self._rms_norm(hidden, layer.input_norm, residual)
-            attended = self._attention(hidden, layer, cos, sin, k_cache, v_cache, meta)
+            attended = self._attention(hidden, layer, positions, cos, sin, k_cache, v_cache, meta)
             projected = self.linear(attended, layer.o_proj)
             if self._all_reduce is not None:
                 projected = self._all_reduce(projected)
@@ -257,21 +261,34 @@ class LlamaForCausalLM(paddle.nn.Layer):
         # The padded head's extra columns are zeros, not tokens: never let them reach the sampler.
         return logits if logits.shape[1] == vocab else logits[:, :vocab]
 
+    def _fused_attention(self) -> bool:
+        """Whether this step runs RoPE + cache write + attention as one native op per layer (fd_rope_paged_attention).
+
+        Not for models with per-head q/k norms (the norm sits between the projection and RoPE).
+        """
+        return not self.config.qk_norm and use_native_kernel()
+
     def _attention(
         self,
         hidden: paddle.Tensor,
         layer: LayerWeights,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
+        positions: paddle.Tensor,
+        cos: paddle.Tensor | None,
+        sin: paddle.Tensor | None,
         k_cache: paddle.Tensor,
         v_cache: paddle.Tensor,
         meta: AttentionMetadata,
     ) -> paddle.Tensor:
+        """Attention output [T, heads * D] of one layer; ``cos``/``sin`` None: the fused native op."""
         num_tokens = hidden.shape[0]
         num_rotated = self.num_heads + self.num_kv_heads
         qkv = self.linear(hidden, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
+        scale = 1.0 if layer.q_prescaled else self.scale
+        if cos is None:
+            return rope_paged_attention(qkv, self._rope_cos, self._rope_sin, positions, k_cache, v_cache, meta,
+                                        self.num_heads, scale)
         # split (not slicing) so every later op gets contiguous inputs: Paddle materialises strided
         # views with a generic copy kernel that was measured ~10x slower than split.
         qk, v = paddle.split(qkv, [self._qk_width, qkv.shape[1] - self._qk_width], axis=1)
@@ -289,7 +306,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         swapped = paddle.gather(qk.reshape([-1, self.head_dim // 2]), swap).reshape(qk.shape)
         qk = qk * cos + swapped * sin
         q, k = paddle.split(qk, [self.num_heads, self.num_kv_heads], axis=1)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, 1.0 if layer.q_prescaled else self.scale)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
     def _rms_norm(
         self, x: paddle.Tensor, weight: paddle.Tensor, residual: paddle.Tensor | None
