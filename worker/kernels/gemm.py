@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 
 from worker.kernels.build import cpu_has, last_build, load_extension
+from worker.weight_memory import weight_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def pack_bf16(weight: np.ndarray) -> PackedBf16:
     # [k/2, 2, chunk, 64] -> [chunk, k/2, 64, 2]: a chunk is one stream over K; 16 columns' pairs = one operand.
     packed = padded.reshape(rows // 2, 2, cols // CHUNK, CHUNK).transpose(2, 0, 3, 1)
     packed = np.ascontiguousarray(packed).reshape(cols // CHUNK, rows // 2, 2 * CHUNK)
-    return PackedBf16(paddle.to_tensor(packed.view(np.int16)), in_features, out_features)
+    return PackedBf16(weight_tensor(packed.view(np.int16)), in_features, out_features)
 
 
 def unpack_bf16(weight: PackedBf16) -> np.ndarray:

@@ -33,8 +33,9 @@ import paddle
 import paddle.incubate.nn.functional as incubate_F
 import paddle.nn.functional as F
 
+from worker.weight_memory import weight_tensor
 from worker.attention import AttentionMetadata, paged_attention, rope_paged_attention, use_native_kernel
-from worker.kernels import fused_ops
+from worker.kernels import fused_ops, gemv
 from worker.kernels.gemm import PackedBf16, bf16_linear, pack_bf16, require_bf16_gemm
 from worker.tensor_parallel import ShardPlan, shard_plan
 from config.model_config import ModelConfig
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 # Native residual-add + RMSNorm and SwiGLU kernels (worker/kernels/fused_ops.cc): None uses them where they
 # build (FD_NATIVE_KERNELS), False keeps Paddle's ops; read when a model is constructed (benchmarks compare both).
 NATIVE_FUSED_OPS: bool | None = None
+# float32 matmuls of up to this many rows run on the native few-row kernel (worker/kernels/gemv.py), which
+# streams the weights with every core; more rows go to paddle.matmul (MKL). Measured (benchmarks/forward.py,
+# decode step, native vs MKL): 1 row 13.3 vs 16.9 ms, 2 rows 15.4 vs 17.2, 4 rows equal, 8 rows 25 vs 21.
+SMALL_LINEAR_MAX_ROWS = 2
 
 # Zero columns appended to a weight whose row stride is a multiple of 4 KiB (see module doc).
 _PAD_FLOATS = 32
@@ -183,6 +188,10 @@ class LlamaForCausalLM(paddle.nn.Layer):
         """x [T, in] float32 @ weight -> [T, out] float32 (bf16 weights: x rounded to bf16, float32 accumulation)."""
         if isinstance(weight, PackedBf16):
             return bf16_linear(self._bf16, x, weight)
+        if self.native_fused:
+            out = gemv.small_linear(x, weight, SMALL_LINEAR_MAX_ROWS)
+            if out is not None:
+                return out
         return paddle.matmul(x, weight)
 
     # ------------------------------------------------------------------ forward
@@ -348,8 +357,8 @@ def weight_getter(weights: dict[str, np.ndarray]) -> WeightGetter:
 
 
 def to_weight(array: np.ndarray) -> paddle.Tensor:
-    """A contiguous float32 paddle tensor copy of ``array``."""
-    return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+    """A contiguous float32 paddle tensor copy of ``array``, in 2 MiB-page memory (worker.weight_memory)."""
+    return weight_tensor(np.asarray(array, dtype=np.float32))
 
 
 def _half_swap_rows(num_heads_total: int) -> paddle.Tensor:
