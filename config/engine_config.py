@@ -47,6 +47,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
+    lone_prefill_tokens: int = 2048
     block_size: int = 64
     num_gpu_blocks_override: int | None = None
     kv_cache_space: float | None = None  # None: DEFAULT_KV_CACHE_SPACE_GIB
@@ -87,6 +88,11 @@ class EngineArgs:
                                  "lowered to what the KV cache holds)")
         parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                             help="token budget of one step (prefill chunks + decodes)")
+        parser.add_argument("--lone-prefill-tokens", type=int, default=2048,
+                            help="token budget of a step whose one request is all there is (nothing else runs or "
+                                 "waits): a lone long prompt is prefilled in fewer, larger chunks, which compute "
+                                 "faster; a second request brings the budget back to --max-num-batched-tokens "
+                                 "(0: no larger budget)")
         parser.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                             help="force the number of KV-cache blocks instead of sizing them from --kv-cache-space "
@@ -203,6 +209,13 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Budget of a step when one sequence is all there is (0: max_num_batched_tokens always).
+    lone_prefill_tokens: int = 0
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can carry (buffers sized per step use it)."""
+        return max(self.max_num_batched_tokens, self.lone_prefill_tokens)
 
 
 @dataclass
@@ -324,6 +337,8 @@ def validate_args(args: EngineArgs) -> None:
         value = getattr(args, name)
         if value is not None and not value.strip():
             raise ConfigError(f"{_flag(name)} must not be empty")
+    if args.lone_prefill_tokens < 0:
+        raise ConfigError(f"--lone-prefill-tokens must be >= 0 (0: off), got {args.lone_prefill_tokens}")
     if args.kv_cache_space is not None and not (math.isfinite(args.kv_cache_space) and args.kv_cache_space > 0):
         raise ConfigError(f"--kv-cache-space must be a positive number of GiB, got {args.kv_cache_space}")
     if not (math.isfinite(args.swap_space) and args.swap_space >= 0):
@@ -533,6 +548,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
+            lone_prefill_tokens=args.lone_prefill_tokens,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

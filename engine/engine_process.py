@@ -136,6 +136,7 @@ class Engine:
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
+            lone_prefill_tokens=config.scheduler.lone_prefill_tokens,
             schedule_on_fill_start=envs.FD_KVCACHE_FAULT_EARLY_SCHEDULE,
             structured_output=make_structured_output(config),
             on_finish=self.pd.on_finish if self.pd is not None else None,

@@ -51,7 +51,7 @@ STRUCTURED_OUTPUT_UNAVAILABLE = "structured output is not available in this engi
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, schedule_on_fill_start: bool = False,
+                 max_model_len: int, schedule_on_fill_start: bool = False, lone_prefill_tokens: int = 0,
                  structured_output: "StructuredOutputManager | None" = None,
                  on_finish: Callable[[Sequence, str | None], None] | None = None) -> None:
         self.kv_cache = kv_cache
@@ -63,6 +63,7 @@ class Scheduler:
         self.schedule_on_fill_start = schedule_on_fill_start
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.lone_prefill_tokens = lone_prefill_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -171,7 +172,7 @@ class Scheduler:
 
     def schedule(self) -> StepBatch | None:
         self.preempt_expired_loads()
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget()
         scheduled: list[tuple[Sequence, int]] = []
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
@@ -185,6 +186,14 @@ class Scheduler:
         messages = [self._to_message(seq, n) for seq, n in scheduled]
         self._attach_bitmasks(scheduled, messages)
         return StepBatch(self._step_id, messages, block_copies=self._take_copies())
+
+    def _step_budget(self) -> int:
+        """Tokens this step may compute: --max-num-batched-tokens, or --lone-prefill-tokens when one sequence is
+        all there is (a lone prompt then prefills in fewer, larger chunks, which compute faster, and nobody's
+        decode waits behind them; the next arrival brings the usual budget back at the next step)."""
+        if len(self.running) + len(self.waiting) == 1:
+            return max(self.max_num_batched_tokens, self.lone_prefill_tokens)
+        return self.max_num_batched_tokens
 
     def _attach_bitmasks(self, scheduled: list[tuple[Sequence, int]], messages: list[ScheduledSeq]) -> None:
         """The grammar's allowed tokens for every structured-output sequence that samples: one batched call."""

@@ -81,6 +81,7 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--max-num-seqs": (("--max-num-seqs", "0"), "at least 1"),
     "--max-model-len": (("--max-model-len", "0"), "at least 1"),
     "--max-num-batched-tokens": (("--max-num-batched-tokens", "-4"), "at least 1"),
+    "--lone-prefill-tokens": (("--lone-prefill-tokens", "-1"), ">= 0 (0: off)"),
     "--block-size": (("--block-size", "0"), "at least 1"),
     "--num-gpu-blocks-override": (("--num-gpu-blocks-override", "0"), "at least 1"),
     "--kv-cache-space": (("--kv-cache-space", "0"), "positive"),

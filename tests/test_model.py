@@ -153,6 +153,23 @@ def test_greedy_one_at_a_time(model, config, reference) -> None:
         assert_matches_reference(entry, seq.output)
 
 
+def test_greedy_with_native_kernels_off(config, weights, reference, monkeypatch) -> None:
+    """FD_NATIVE_KERNELS=0 (what runs where no compiler or no AVX-512 is found): Paddle attention, RoPE,
+    norms and matmuls reproduce the references too, a batch of all prompts decoding together."""
+    monkeypatch.setenv("FD_NATIVE_KERNELS", "0")
+    paddle_only = get_model_class(config.architecture)(config)
+    paddle_only.load_weights(weights)
+    assert not paddle_only.native_fused and not paddle_only._fused_attention()
+    _array, kv_caches = new_cache(config)
+    tables = scattered_blocks(len(reference), seed=77)
+    sequences = [Sequence(entry, table) for entry, table in zip(reference, tables)]
+    for seq in sequences:
+        run_step(paddle_only, kv_caches, [(seq, len(seq.prompt))])
+    decode_until_done(paddle_only, kv_caches, sequences)
+    for entry, seq in zip(reference, sequences):
+        assert_matches_reference(entry, seq.output)
+
+
 def test_greedy_chunked_prefill(model, config, reference) -> None:
     for index, entry in enumerate(reference):
         _array, kv_caches = new_cache(config)

@@ -48,6 +48,21 @@ def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end():
     assert decode.token_ids == [7] and decode.context_len == 21 and decode.needs_sample
 
 
+def test_a_lone_prompt_takes_the_lone_budget_until_another_request_arrives():
+    sched = Scheduler(kv_cache_manager(64, 4), 8, 8, 128, lone_prefill_tokens=32)
+    sched.add(make_seq("a", prompt_len=70))
+    batch = sched.schedule()
+    assert [len(s.token_ids) for s in batch.seqs] == [32]  # alone: the larger budget
+    sched.update(answer(batch))
+    sched.add(make_seq("b", prompt_len=5))
+    batch = sched.schedule()  # two requests: back to 8 tokens in all
+    assert sum(len(s.token_ids) for s in batch.seqs) == 8 and batch.seqs[0].request_id == "a"
+    sched.update(answer(batch))
+    sched.abort("b")
+    batch = sched.schedule()  # alone again
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 30)]
+
+
 def test_new_requests_join_running_decodes_and_decodes_come_first():
     sched = make_scheduler(budget=16)
     sched.add(make_seq("a", prompt_len=4))

@@ -141,14 +141,15 @@ class Harness:
 
     def __init__(self, num_blocks: int, block_size: int, budget: int, max_num_seqs: int, max_model_len: int = 48,
                  num_cpu_blocks: int = 0, storage: bool = False, policy: str = "write_through",
-                 watermark: float = 0.125, timeout_s: float = 5.0) -> None:
+                 watermark: float = 0.125, timeout_s: float = 5.0, lone_prefill_tokens: int = 0) -> None:
         self.clock = FakeClock()
         self.log = TaskLog()
         self.states = np.full(num_blocks, 99, np.int8)
         config = CacheConfig(num_blocks, block_size, "fp", num_cpu_blocks=num_cpu_blocks, storage_enabled=storage,
                              write_policy=policy, offload_watermark=watermark, transfer_timeout_s=timeout_s)
         self.cache = KVCacheManager(config, self.states, submit=self.log, clock=self.clock)
-        self.sched = Scheduler(self.cache, max_num_seqs, budget, max_model_len)
+        self.sched = Scheduler(self.cache, max_num_seqs, budget, max_model_len, lone_prefill_tokens=lone_prefill_tokens)
+        self.budget, self.lone_budget = budget, max(budget, lone_prefill_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.finished: dict[str, str] = {}  # choice key (choice_key) -> finish reason
         self.expected: set[str] = set()  # choice keys that must finish
@@ -190,10 +191,14 @@ class Harness:
     def step(self, rng: random.Random, eos_p: float = 0.1, error_p: float = 0.0) -> bool:
         """One engine iteration; returns whether a batch ran."""
         self.service()
+        alone = len(self.sched.running) + len(self.sched.waiting) == 1
         batch = self.sched.schedule()
         if batch is None:
             return False
         check_block_copies(batch, self.sched)
+        # The step budget: the lone-request budget only when one sequence was all there was.
+        step_tokens = sum(len(s.token_ids) for s in batch.seqs)
+        assert step_tokens <= (self.lone_budget if alone else self.budget), (step_tokens, alone)
         sampled, errors, prompt_lps = {}, {}, {}
         running = {seq.request_id: seq for seq in self.sched.running}
         for s in batch.seqs:
@@ -321,13 +326,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_num_seqs=st.integers(1, 4),
                 tier=st.sampled_from(["host", "host+storage", "storage_write_through", "storage_write_back", "none"]),
                 num_cpu_blocks=st.integers(1, 8), watermark=st.sampled_from([0.0, 0.25, 0.5]),
-                seed=st.integers(0, 2**16))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, tier, num_cpu_blocks, watermark, seed):
+                seed=st.integers(0, 2**16), lone_prefill_tokens=st.sampled_from([0, 16, 64]))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, tier, num_cpu_blocks, watermark, seed,
+              lone_prefill_tokens=0):
         storage = "storage" in tier
         policy = "write_back" if tier == "storage_write_back" else "write_through"
         self.h = Harness(num_blocks, block_size, budget, max_num_seqs, max_model_len=48,
                          num_cpu_blocks=num_cpu_blocks if "host" in tier else 0, storage=storage, policy=policy,
-                         watermark=watermark)
+                         watermark=watermark, lone_prefill_tokens=lone_prefill_tokens)
         self.rng = random.Random(seed)
         pattern = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4, 5, 6]
         self.prefixes = [pattern[:block_size], pattern[:block_size * 2]]

@@ -88,7 +88,7 @@ class Worker:
         self.tp: TensorParallelGroup | None = None
         tp_size = config.parallel.tensor_parallel_size
         if tp_size > 1:
-            capacity = min(config.scheduler.max_num_batched_tokens * config.model.hidden_size,
+            capacity = min(config.scheduler.max_step_tokens * config.model.hidden_size,
                            MAX_TP_ALLREDUCE_CAPACITY)
             self.tp = TensorParallelGroup(config.instance_id, config.parallel.dp_rank, tp_rank, tp_size, batch_addr,
                                           capacity, self.zmq_context, self.stop_event)
