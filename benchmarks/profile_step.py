@@ -119,15 +119,16 @@ def hooks_installed(clock: StepClock) -> Iterator[None]:
 
     patched: list[tuple[Any, str, Any]] = []
     for module, part in ((llama_module, "model"), (attention_module, "attention")):
-        for name in ("paddle", "F", "incubate_F", "native_attention", "fused_ops"):
+        for name in ("paddle", "F", "incubate_F", "native_attention", "fused_ops", "gemv"):
             if hasattr(module, name):
                 original = getattr(module, name)
                 patched.append((module, name, original))
                 setattr(module, name, TimedNamespace(original, f"{part}.{name}", clock))
-    if hasattr(llama_module, "paged_attention"):
-        original = llama_module.paged_attention
-        patched.append((llama_module, "paged_attention", original))
-        llama_module.paged_attention = clock.timed("attention.paged_attention (other ops + Python)", original)
+    for name in ("paged_attention", "rope_paged_attention"):
+        if hasattr(llama_module, name):
+            original = getattr(llama_module, name)
+            patched.append((llama_module, name, original))
+            setattr(llama_module, name, clock.timed(f"attention.{name} (other ops + Python)", original))
     try:
         yield
     finally:
@@ -143,7 +144,7 @@ def summarise(labels: dict[str, float]) -> dict[str, float]:
     for label, seconds in labels.items():
         if label.startswith("attention."):
             parts["attention"] += seconds
-        elif label.endswith(".matmul") or label.endswith(".linear"):
+        elif label.endswith((".matmul", ".linear", ".small_linear")):  # small_linear: the native few-row kernel
             parts["matmul (layer weights)"] += seconds
         elif label == "lm_head":
             parts["lm_head (matmul + column slice)"] += seconds

@@ -4,7 +4,7 @@ Owns loading the operator and the choice of when it runs: ``small_linear(x, w)``
 x with 1 to ``MAX_ROWS`` rows, by the native op where it is available, streaming ``w`` (the usual
 [in, out] float32 weight, unchanged) with every core; ``None`` tells the caller to use
 ``paddle.matmul`` (more rows, no kernel). The crossover is measured
-(``python benchmarks/gemm.py --small-m``): at these row counts the layer is bound by reading the
+(``python benchmarks/few_row_linear.py``): at these row counts the layer is bound by reading the
 weights, and MKL reads them with about one core's bandwidth.
 """
 from __future__ import annotations
