@@ -116,6 +116,8 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._fused_norm = _fused_rms_norm_available()
         # Native residual-add + RMSNorm and SwiGLU (worker/kernels/fused_ops.cc) when they build; else Paddle's ops.
         self.native_fused = NATIVE_FUSED_OPS is not False and paddle.get_device() == "cpu" and fused_ops.available()
+        # The few-row float32 linear (worker/kernels/gemv.py), built here so a cold compile delays start-up, not a step.
+        self._small_linear = self.native_fused and gemv.available()
         # --dtype bfloat16: linear weights packed in bf16 for the native GEMM (Bf16Unavailable if it cannot run).
         self._bf16 = require_bf16_gemm() if config.dtype == "bfloat16" else None
 
@@ -188,7 +190,7 @@ class LlamaForCausalLM(paddle.nn.Layer):
         """x [T, in] float32 @ weight -> [T, out] float32 (bf16 weights: x rounded to bf16, float32 accumulation)."""
         if isinstance(weight, PackedBf16):
             return bf16_linear(self._bf16, x, weight)
-        if self.native_fused:
+        if self._small_linear:
             out = gemv.small_linear(x, weight, SMALL_LINEAR_MAX_ROWS)
             if out is not None:
                 return out
