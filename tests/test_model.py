@@ -159,7 +159,7 @@ def test_greedy_with_native_kernels_off(config, weights, reference, monkeypatch)
     monkeypatch.setenv("FD_NATIVE_KERNELS", "0")
     paddle_only = get_model_class(config.architecture)(config)
     paddle_only.load_weights(weights)
-    assert not paddle_only.native_fused and not paddle_only._fused_attention()
+    assert not paddle_only.native_fused and not paddle_only._fused_attention() and not paddle_only._small_linear
     _array, kv_caches = new_cache(config)
     tables = scattered_blocks(len(reference), seed=77)
     sequences = [Sequence(entry, table) for entry, table in zip(reference, tables)]

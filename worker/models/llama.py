@@ -116,8 +116,9 @@ class LlamaForCausalLM(paddle.nn.Layer):
         self._fused_norm = _fused_rms_norm_available()
         # Native residual-add + RMSNorm and SwiGLU (worker/kernels/fused_ops.cc) when they build; else Paddle's ops.
         self.native_fused = NATIVE_FUSED_OPS is not False and paddle.get_device() == "cpu" and fused_ops.available()
-        # The few-row float32 linear (worker/kernels/gemv.py), built here so a cold compile delays start-up, not a step.
-        self._small_linear = self.native_fused and gemv.available()
+        # The few-row float32 linear (worker/kernels/gemv.py; FD_NATIVE_KERNELS), built here so a cold compile
+        # delays start-up, not a step. Its own switch: NATIVE_FUSED_OPS compares the norm and SwiGLU kernels only.
+        self._small_linear = paddle.get_device() == "cpu" and gemv.available()
         # --dtype bfloat16: linear weights packed in bf16 for the native GEMM (Bf16Unavailable if it cannot run).
         self._bf16 = require_bf16_gemm() if config.dtype == "bfloat16" else None
 
