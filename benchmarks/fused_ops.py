@@ -19,7 +19,6 @@ runtime, between these ops instead). ``--profile-rounds N`` then runs ``benchmar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):
         sys.path.insert(0, _path)
 
 import envs  # noqa: E402
+from model_setup import write_report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,10 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["decode_steps"] = step_rounds(args, threads)
     if args.profile_rounds:
         report["profile_step"] = profile_step_rounds(args, threads)
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.out)
     return report
 
 

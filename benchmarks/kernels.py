@@ -11,7 +11,6 @@ and the speed-up. The step's K/V write into the cache is timed in both (it is co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import envs  # noqa: E402
+from model_setup import write_report  # noqa: E402
 
 # (name, query_lens, context_lens): decode batches, whole prompts, a chunk after a cached prefix.
 CASES: list[tuple[str, list[int], list[int]]] = [
@@ -123,10 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"kernel": "fd_paged_attention (one layer: K/V write + attention)", "threads": threads,
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "block_size": args.block_size, "paddle_version": paddle.__version__, "results": results}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.out)
     return report
 
 

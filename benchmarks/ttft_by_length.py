@@ -31,6 +31,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from model_setup import write_report
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEALTH_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
@@ -209,10 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"lengths": lengths, "requests_per_length": args.requests, "rounds": args.rounds,
               "variants": {name: env for name, env in variants}, "ttft_ms_p50": table,
               f"speedup_vs_{first}": ratios, "server_logs": log_dir}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.out)
     return report
 
 
